@@ -1,0 +1,380 @@
+"""Numba kernels of the data layer: ID hashing, delimited-text parsing, jagged layout.
+
+Everything that touches one row or one ID at a time lives here, compiled with
+`@njit(cache=True, nogil=True)`, so the readers in Python only move whole arrays around.
+
+ID hashing (`token_key`): a categorical token of 1-8 lowercase hex digits (Criteo's and
+Avazu's IDs) is mapped *injectively* together with its field index and its length, then
+spread over the whole uint64 space with the bijective splitmix64 finaliser. Equal tokens in
+different fields therefore never collide. Any other token is hashed with FNV-1a seeded by
+the field and finalised the same way (collisions then have the usual 2**-64 odds).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# Column kinds understood by `parse_delimited_lines`.
+KIND_SKIP = 0
+KIND_LABEL = 1
+KIND_DENSE = 2
+KIND_DENSE_LOG1P = 3
+KIND_CATEGORICAL = 4
+KIND_MULTI_CATEGORICAL = 5
+KIND_HOUR_YYMMDDHH = 6  # Avazu's hour: two sparse slots, hour-of-day then day-of-week
+
+# Why a row was rejected (codes returned by `parse_delimited_lines`).
+ERROR_COLUMN_COUNT = 1
+ERROR_NOT_A_NUMBER = 2
+ERROR_BAD_LABEL = 3
+ERROR_BAD_HOUR = 4
+ERROR_REASONS = {
+    ERROR_COLUMN_COUNT: "wrong number of columns",
+    ERROR_NOT_A_NUMBER: "not a number",
+    ERROR_BAD_LABEL: "label is not a number (or not 0/1 where labels are binary)",
+    ERROR_BAD_HOUR: "hour is not YYMMDDHH",
+}
+
+# Field indices must fit below the hex value and length bits of the injective key layout.
+MAX_FIELDS = 1 << 24
+
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_FNV_FIELD_SEED = np.uint64(0xCBF29CE484222325)
+_NEWLINE = 10
+_CARRIAGE_RETURN = 13
+
+
+@njit(cache=True, nogil=True)
+def mix64(x):
+    """splitmix64's finaliser: a bijection of uint64 that spreads nearby inputs apart."""
+    x = np.uint64(x)
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(cache=True, nogil=True)
+def hex_token_key(field, length, value):
+    """Key of a token of `length` (1-8) hex digits whose value is `value` in field `field`."""
+    packed = ((np.uint64(field) << np.uint64(36)) | (np.uint64(length) << np.uint64(32))
+              | np.uint64(value))
+    return mix64(packed)
+
+
+@njit(cache=True, nogil=True)
+def token_key(buf, start, end, field):
+    """uint64 key of the token buf[start:end] (non-empty) of sparse field `field`."""
+    length = end - start
+    if length <= 8:
+        value = np.uint64(0)
+        is_hex = True
+        for i in range(start, end):
+            c = buf[i]
+            if 48 <= c <= 57:
+                digit = c - 48
+            elif 97 <= c <= 102:
+                digit = c - 87
+            else:
+                is_hex = False
+                break
+            value = value * np.uint64(16) + np.uint64(digit)
+        if is_hex:
+            return hex_token_key(field, length, value)
+    h = mix64(_FNV_FIELD_SEED ^ np.uint64(field))
+    for i in range(start, end):
+        h = (h ^ np.uint64(buf[i])) * _FNV_PRIME
+    return mix64(h ^ np.uint64(length))
+
+
+@njit(cache=True, nogil=True)
+def hex_token_keys(tokens, fields):
+    """Vectorised `hex_token_key` for 8-digit tokens: keys[i] of tokens[i] in fields[i]."""
+    keys = np.empty(tokens.shape[0], dtype=np.uint64)
+    for i in range(tokens.shape[0]):
+        keys[i] = hex_token_key(fields[i], 8, tokens[i])
+    return keys
+
+
+@njit(cache=True, nogil=True)
+def hash_string_column(data, offsets, valid, field):
+    """Keys of an Arrow-style string column (bytes `data`, `offsets`, validity `valid`).
+
+    Returns (keys, present): null and empty strings are missing IDs (present False)."""
+    n = offsets.shape[0] - 1
+    keys = np.zeros(n, dtype=np.uint64)
+    present = np.zeros(n, dtype=np.bool_)
+    for i in range(n):
+        start = offsets[i]
+        end = offsets[i + 1]
+        if valid[i] and end > start:
+            keys[i] = token_key(data, start, end, field)
+            present[i] = True
+    return keys, present
+
+
+@njit(cache=True, nogil=True)
+def parse_number(buf, start, end):
+    """Parses a decimal number ([sign] digits [. digits] [e[sign]digits]) -> (ok, value)."""
+    i = start
+    negative = False
+    if i < end and (buf[i] == 45 or buf[i] == 43):  # '-' or '+'
+        negative = buf[i] == 45
+        i += 1
+    mantissa = 0.0
+    exponent = 0
+    digits = 0
+    while i < end and 48 <= buf[i] <= 57:
+        mantissa = mantissa * 10.0 + (buf[i] - 48)
+        digits += 1
+        i += 1
+    if i < end and buf[i] == 46:  # '.'
+        i += 1
+        while i < end and 48 <= buf[i] <= 57:
+            mantissa = mantissa * 10.0 + (buf[i] - 48)
+            exponent -= 1
+            digits += 1
+            i += 1
+    if digits == 0:
+        return False, 0.0
+    if i < end and (buf[i] == 101 or buf[i] == 69):  # 'e' or 'E'
+        i += 1
+        exponent_negative = False
+        if i < end and (buf[i] == 45 or buf[i] == 43):
+            exponent_negative = buf[i] == 45
+            i += 1
+        exponent_digits = 0
+        written = 0
+        while i < end and 48 <= buf[i] <= 57:
+            written = written * 10 + (buf[i] - 48)
+            exponent_digits += 1
+            i += 1
+        if exponent_digits == 0:
+            return False, 0.0
+        exponent += -written if exponent_negative else written
+    if i != end:
+        return False, 0.0
+    if exponent < 0:
+        value = mantissa / 10.0 ** (-exponent)
+    else:
+        value = mantissa * 10.0 ** exponent
+    return True, -value if negative else value
+
+
+@njit(cache=True, nogil=True)
+def _two_digits(buf, at):
+    a = buf[at] - 48
+    b = buf[at + 1] - 48
+    if a < 0 or a > 9 or b < 0 or b > 9:
+        return -1
+    return a * 10 + b
+
+
+@njit(cache=True, nogil=True)
+def parse_hour_yymmddhh(buf, start, end):
+    """Avazu's hour 'YYMMDDHH' -> (ok, hour_of_day, day_of_week with Monday = 0)."""
+    if end - start != 8:
+        return False, 0, 0
+    year = _two_digits(buf, start)
+    month = _two_digits(buf, start + 2)
+    day = _two_digits(buf, start + 4)
+    hour = _two_digits(buf, start + 6)
+    if year < 0 or month < 1 or month > 12 or day < 1 or day > 31 or hour < 0 or hour > 23:
+        return False, 0, 0
+    # days since 1970-01-01 by the civil-from-days inverse (proleptic Gregorian calendar)
+    y = 2000 + year - (1 if month <= 2 else 0)
+    era = y // 400
+    year_of_era = y - era * 400
+    day_of_year = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5 + day - 1
+    day_of_era = year_of_era * 365 + year_of_era // 4 - year_of_era // 100 + day_of_year
+    days = era * 146097 + day_of_era - 719468
+    return True, hour, (days + 3) % 7
+
+
+@njit(cache=True, nogil=True)
+def last_newline(buf, n):
+    """Index of the last b'\\n' in buf[:n], or -1."""
+    for i in range(n - 1, -1, -1):
+        if buf[i] == _NEWLINE:
+            return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def count_newlines(buf, n):
+    count = 0
+    for i in range(n):
+        if buf[i] == _NEWLINE:
+            count += 1
+    return count
+
+
+@njit(cache=True, nogil=True)
+def _count_columns(buf, start, end, delimiter):
+    columns = 1
+    for i in range(start, end):
+        if buf[i] == delimiter:
+            columns += 1
+    return columns
+
+
+@njit(cache=True, nogil=True)
+def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, n_dense,
+                          n_sparse, binary_labels, first_row, block_rows, rank, world_size):
+    """Parses the complete lines of buf[:n] (each ending in b'\\n') into row-major arrays.
+
+    Line i is data row `first_row + i`; it is parsed only when
+    `((first_row + i) // block_rows) % world_size == rank` (rank sharding by row blocks).
+    Column c is handled by kinds[c] and writes output slot slots[c]. Empty dense values are
+    0, empty categoricals are missing IDs, blank lines are skipped. A bad row is not kept;
+    its line index, column, error code and the byte range of the offending value are
+    returned so the caller can report it.
+
+    Returns (labels[r, n_labels], dense[r, n_dense], id_starts[r, n_sparse],
+    id_counts[r, n_sparse], ids, row_of_line[r], bad[k, 5] = (line index, column, code,
+    value start, value end), lines) for r kept rows, k bad rows and `lines` lines read.
+    """
+    lines = count_newlines(buf, n)
+    n_columns = kinds.shape[0]
+    has_multi = False
+    for c in range(n_columns):
+        if kinds[c] == KIND_MULTI_CATEGORICAL:
+            has_multi = True
+    id_capacity = lines * n_sparse
+    if has_multi:
+        for i in range(n):
+            if buf[i] == separator:
+                id_capacity += 1
+    labels = np.empty((lines, n_labels), dtype=np.float32)
+    dense = np.zeros((lines, n_dense), dtype=np.float32)
+    id_starts = np.zeros((lines, n_sparse), dtype=np.int64)
+    id_counts = np.zeros((lines, n_sparse), dtype=np.int32)
+    ids = np.empty(id_capacity, dtype=np.uint64)
+    row_of_line = np.empty(lines, dtype=np.int64)
+    bad = np.empty((lines, 5), dtype=np.int64)
+    kept = 0
+    n_bad = 0
+    n_ids = 0
+    line_start = 0
+    for line in range(lines):
+        line_end = line_start
+        while buf[line_end] != _NEWLINE:
+            line_end += 1
+        next_start = line_end + 1
+        if line_end > line_start and buf[line_end - 1] == _CARRIAGE_RETURN:
+            line_end -= 1
+        row = first_row + line
+        mine = (row // block_rows) % world_size == rank
+        if not mine or line_end == line_start:
+            line_start = next_start
+            continue
+        error = 0
+        error_column = 0
+        error_start = line_start
+        error_end = line_end
+        found_columns = _count_columns(buf, line_start, line_end, delimiter)
+        if found_columns != n_columns:
+            error = ERROR_COLUMN_COUNT
+            error_column = found_columns
+        ids_before = n_ids
+        pos = line_start
+        column = 0
+        while error == 0 and column < n_columns:
+            start = pos
+            while pos < line_end and buf[pos] != delimiter:
+                pos += 1
+            end = pos
+            pos += 1
+            kind = kinds[column]
+            slot = slots[column]
+            if kind == KIND_LABEL:
+                ok, value = parse_number(buf, start, end)
+                if not ok or (binary_labels and value != 0.0 and value != 1.0):
+                    error = ERROR_BAD_LABEL
+                else:
+                    labels[kept, slot] = value
+            elif kind == KIND_DENSE or kind == KIND_DENSE_LOG1P:
+                value = 0.0
+                if end > start:
+                    ok, value = parse_number(buf, start, end)
+                    if not ok:
+                        error = ERROR_NOT_A_NUMBER
+                if kind == KIND_DENSE_LOG1P:
+                    value = np.log1p(max(value, 0.0))
+                dense[kept, slot] = value
+            elif kind == KIND_CATEGORICAL:
+                id_starts[kept, slot] = n_ids
+                if end > start:
+                    ids[n_ids] = token_key(buf, start, end, slot)
+                    n_ids += 1
+                    id_counts[kept, slot] = 1
+                else:
+                    id_counts[kept, slot] = 0
+            elif kind == KIND_MULTI_CATEGORICAL:
+                id_starts[kept, slot] = n_ids
+                piece = start
+                for i in range(start, end + 1):
+                    if i == end or buf[i] == separator:
+                        if i > piece:
+                            ids[n_ids] = token_key(buf, piece, i, slot)
+                            n_ids += 1
+                        piece = i + 1
+                id_counts[kept, slot] = n_ids - id_starts[kept, slot]
+            elif kind == KIND_HOUR_YYMMDDHH:
+                ok, hour, weekday = parse_hour_yymmddhh(buf, start, end)
+                if not ok:
+                    error = ERROR_BAD_HOUR
+                else:
+                    id_starts[kept, slot] = n_ids
+                    ids[n_ids] = hex_token_key(slot, 8, hour)
+                    id_counts[kept, slot] = 1
+                    id_starts[kept, slot + 1] = n_ids + 1
+                    ids[n_ids + 1] = hex_token_key(slot + 1, 8, weekday)
+                    id_counts[kept, slot + 1] = 1
+                    n_ids += 2
+            if error != 0:
+                error_column = column
+                error_start = start
+                error_end = end
+            column += 1
+        if error == 0:
+            row_of_line[kept] = row
+            kept += 1
+        else:
+            n_ids = ids_before
+            id_counts[kept, :] = 0
+            dense[kept, :] = 0.0
+            bad[n_bad, 0] = line
+            bad[n_bad, 1] = error_column
+            bad[n_bad, 2] = error
+            bad[n_bad, 3] = error_start
+            bad[n_bad, 4] = error_end
+            n_bad += 1
+        line_start = next_start
+    return (labels[:kept], dense[:kept], id_starts[:kept], id_counts[:kept], ids[:n_ids],
+            row_of_line[:kept], bad[:n_bad], lines)
+
+
+@njit(cache=True, nogil=True)
+def row_major_to_feature_major(id_starts, id_counts, ids):
+    """Reorders per-(row, field) ID runs into the feature-major jagged layout.
+
+    Returns (values, offsets) with the IDs of feature f for row b at
+    values[offsets[f*B+b] : offsets[f*B+b+1]]."""
+    rows, fields = id_counts.shape
+    offsets = np.empty(fields * rows + 1, dtype=np.int64)
+    offsets[0] = 0
+    total = 0
+    for f in range(fields):
+        for b in range(rows):
+            total += id_counts[b, f]
+            offsets[f * rows + b + 1] = total
+    values = np.empty(total, dtype=np.uint64)
+    for f in range(fields):
+        for b in range(rows):
+            out = offsets[f * rows + b]
+            start = id_starts[b, f]
+            for k in range(id_counts[b, f]):
+                values[out + k] = ids[start + k]
+    return values, offsets

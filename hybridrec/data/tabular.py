@@ -1,0 +1,475 @@
+"""Reading tabular files (delimited text or Parquet) described by a schema into `Batch`es.
+
+`TabularSchema` is plain data (a YAML config can hold it as a dict): which columns are labels
+(one per task), dense floats, single-ID categoricals, multi-ID categoricals (multi-hot, split
+on a separator) and Avazu-style YYMMDDHH hours (two features: hour of day, day of week).
+Columns the schema does not name are skipped.
+
+`DelimitedTextReader` streams in constant memory: it reads byte chunks into one numpy buffer
+and parses the complete lines with the numba kernel of `kernels.py` (no per-row Python).
+Quoted CSV fields are not supported by that kernel. `ParquetReader` streams record batches
+with pyarrow. Both shard by rank: data row r belongs to rank `(r // block_rows) % world_size`,
+so the ranks' rows are disjoint and together cover the file; each rank yields batches of
+exactly `batch_size` rows (the last one smaller unless `drop_last`). `sample_ids` are the
+global data-row indices (0-based across all files, header lines not counted).
+
+Bad rows (wrong column count, non-numeric dense value, bad label) are dropped, counted in
+`reader.bad_rows` and the first few logged with file and line; `strict=True` raises a
+ValueError naming file, line, column and value at the first one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from hybridrec.data import kernels
+from hybridrec.data.batch import Batch, JaggedFeatures, rebatch
+
+log = logging.getLogger(__name__)
+
+DENSE_TRANSFORMS = ("none", "log1p")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _as_name_tuple(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of column names, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise TypeError(f"{name} must hold non-empty str column names, got {item!r}")
+    return tuple(value)
+
+
+def _single_char(name: str, value: Any) -> str:
+    if not isinstance(value, str) or len(value) != 1 or value in "\r\n" or ord(value) > 127:
+        raise ValueError(f"{name} must be one ASCII character other than a newline, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TabularSchema:
+    """Which columns of a table feed which part of a `Batch` (see the module docstring)."""
+
+    labels: tuple[str, ...]
+    dense: tuple[str, ...] = ()
+    categorical: tuple[str, ...] = ()
+    multi_categorical: tuple[str, ...] = ()
+    hour_columns: tuple[str, ...] = ()
+    multi_separator: str = "|"
+    delimiter: str = ","
+    header: bool = True
+    column_names: tuple[str, ...] = ()
+    dense_transform: str = "none"
+    binary_labels: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("labels", "dense", "categorical", "multi_categorical", "hour_columns",
+                     "column_names"):
+            object.__setattr__(self, name, _as_name_tuple(name, getattr(self, name)))
+        if not self.labels:
+            raise ValueError("labels must name at least one column (one per task), got []")
+        used = self.labels + self.dense + self.categorical + self.multi_categorical \
+            + self.hour_columns
+        repeated = sorted({c for c in used if used.count(c) > 1})
+        if repeated:
+            raise ValueError(f"columns {repeated} are used more than once in the schema")
+        _single_char("delimiter", self.delimiter)
+        _single_char("multi_separator", self.multi_separator)
+        if self.multi_separator == self.delimiter:
+            raise ValueError(f"multi_separator must differ from delimiter, both are "
+                             f"{self.delimiter!r}")
+        if self.dense_transform not in DENSE_TRANSFORMS:
+            raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got "
+                             f"{self.dense_transform!r}")
+        for name in ("header", "binary_labels"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.header and not self.column_names:
+            raise ValueError("a file without header needs column_names (the names of its "
+                             "columns in order)")
+        if self.column_names:
+            missing = [c for c in used if c not in self.column_names]
+            if missing:
+                raise ValueError(f"columns {missing} are not in column_names "
+                                 f"{list(self.column_names)}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TabularSchema":
+        """Builds a schema from plain data (e.g. a YAML mapping); unknown keys are errors."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a tabular schema must be a mapping, got {type(data).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown tabular schema keys {unknown}; allowed: {allowed}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+    @property
+    def sparse_feature_names(self) -> list[str]:
+        """Names of the Batch's sparse features, in order."""
+        names = list(self.categorical) + list(self.multi_categorical)
+        for column in self.hour_columns:
+            names += [f"{column}:hour_of_day", f"{column}:day_of_week"]
+        return names
+
+    def column_layout(self, column_names: Sequence[str], where: str) -> tuple[np.ndarray,
+                                                                                np.ndarray]:
+        """(kinds int8, slots int32) per column for `kernels.parse_delimited_lines`."""
+        index = {name: i for i, name in enumerate(column_names)}
+        missing = [c for c in self.labels + self.dense + self.categorical
+                   + self.multi_categorical + self.hour_columns if c not in index]
+        if missing:
+            raise ValueError(f"{where}: columns {missing} named by the schema are not among "
+                             f"the file's columns {list(column_names)}")
+        kinds = np.full(len(column_names), kernels.KIND_SKIP, dtype=np.int8)
+        slots = np.zeros(len(column_names), dtype=np.int32)
+        dense_kind = kernels.KIND_DENSE_LOG1P if self.dense_transform == "log1p" \
+            else kernels.KIND_DENSE
+        n_single = len(self.categorical)
+        n_multi = len(self.multi_categorical)
+        groups = [(self.labels, kernels.KIND_LABEL, 0, 1),
+                  (self.dense, dense_kind, 0, 1),
+                  (self.categorical, kernels.KIND_CATEGORICAL, 0, 1),
+                  (self.multi_categorical, kernels.KIND_MULTI_CATEGORICAL, n_single, 1),
+                  (self.hour_columns, kernels.KIND_HOUR_YYMMDDHH, n_single + n_multi, 2)]
+        for columns, kind, first_slot, slot_width in groups:
+            for position, name in enumerate(columns):
+                kinds[index[name]] = kind
+                slots[index[name]] = first_slot + position * slot_width
+        return kinds, slots
+
+
+def check_sharding(batch_size: int, rank: int, world_size: int) -> None:
+    """Validates the arguments every reader shares."""
+    for name, value in (("batch_size", batch_size), ("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+
+
+def _as_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    resolved = [Path(p) for p in paths]
+    if not resolved:
+        raise ValueError("paths must name at least one file, got none")
+    for path in resolved:
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    return resolved
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """One rejected row: where it is and why."""
+
+    path: str
+    line: int
+    column: str
+    value: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: column {self.column}: {self.reason} (value {self.value!r})"
+
+
+@dataclass
+class BadRows:
+    """How many rows a reader dropped, with the first `max_examples` of them."""
+
+    count: int = 0
+    examples: list[BadRow] = field(default_factory=list)
+    max_examples: int = 5
+
+    def record(self, found: int, describe, strict: bool) -> None:
+        """Counts `found` bad rows; `describe(i)` builds the BadRow of the i-th one and is
+        called only for those that are raised (strict) or kept as examples and logged."""
+        if found and strict:
+            raise ValueError(f"bad row at {describe(0)}")
+        for i in range(min(found, self.max_examples - len(self.examples))):
+            self.examples.append(describe(i))
+            log.warning("skipping bad row at %s", self.examples[-1])
+        self.count += found
+
+
+class _ShardedReader:
+    """What the text and Parquet readers share: arguments, sharding, rebatching."""
+
+    def __init__(self, paths, schema: TabularSchema, batch_size: int, *, rank: int = 0,
+                 world_size: int = 1, block_rows: int | None = None, strict: bool = False,
+                 drop_last: bool = False, max_reported_bad_rows: int = 5) -> None:
+        if not isinstance(schema, TabularSchema):
+            raise TypeError(f"schema must be a TabularSchema, got {type(schema).__name__}")
+        check_sharding(batch_size, rank, world_size)
+        block_rows = batch_size if block_rows is None else block_rows
+        if not isinstance(block_rows, int) or block_rows < 1:
+            raise ValueError(f"block_rows must be an int >= 1, got {block_rows!r}")
+        self.paths = _as_paths(paths)
+        self.schema = schema
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.block_rows = block_rows
+        self.strict = strict
+        self.drop_last = drop_last
+        self.max_reported_bad_rows = max_reported_bad_rows
+        self.bad_rows = BadRows(max_examples=max_reported_bad_rows)
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.bad_rows = BadRows(max_examples=self.max_reported_bad_rows)
+        return rebatch(self._blocks(), self.batch_size, self.drop_last)
+
+    def _blocks(self) -> Iterator[Batch]:
+        raise NotImplementedError
+
+
+class DelimitedTextReader(_ShardedReader):
+    """Streams CSV/TSV files described by a `TabularSchema` (see the module docstring)."""
+
+    def __init__(self, paths, schema: TabularSchema, batch_size: int, *,
+                 chunk_bytes: int = 8 << 20, **kwargs) -> None:
+        super().__init__(paths, schema, batch_size, **kwargs)
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 64:
+            raise ValueError(f"chunk_bytes must be an int >= 64, got {chunk_bytes!r}")
+        self.chunk_bytes = chunk_bytes
+        self.bytes_read = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.bytes_read = 0
+        return super().__iter__()
+
+    def count_rows(self) -> int:
+        """Data rows in all files (lines, less headers), counted chunk by chunk."""
+        total = 0
+        for path in self.paths:
+            with open(path, "rb") as handle:
+                if self.schema.header:
+                    handle.readline()
+                for buffer, n in self._complete_lines(handle):
+                    total += kernels.count_newlines(buffer, n)
+        return total
+
+    def _column_names(self, handle, path: Path) -> tuple[list[str], int]:
+        """The file's column names and how many header lines were consumed."""
+        if not self.schema.header:
+            return list(self.schema.column_names), 0
+        line = handle.readline()
+        self.bytes_read += len(line)
+        text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not text:
+            raise ValueError(f"{path}:1: expected a header line, the file is empty")
+        return text.split(self.schema.delimiter), 1
+
+    def _complete_lines(self, handle) -> Iterator[tuple[np.ndarray, int]]:
+        """Yields (buffer, n): buffer[:n] is whole lines, each ending in a newline. The buffer
+        is reused, so it is only valid until the next step. Memory stays at chunk_bytes
+        unless one line is longer."""
+        buffer = np.empty(self.chunk_bytes + 1, dtype=np.uint8)
+        carry = 0
+        while True:
+            got = handle.readinto(memoryview(buffer)[carry:len(buffer) - 1])
+            self.bytes_read += got
+            filled = carry + got
+            if got == 0:
+                if carry:
+                    buffer[carry] = 10  # the last line had no newline
+                    yield buffer, carry + 1
+                return
+            end = kernels.last_newline(buffer, filled)
+            if end < 0:
+                if filled == len(buffer) - 1:  # one line longer than the buffer: grow it
+                    grown = np.empty(2 * len(buffer), dtype=np.uint8)
+                    grown[:filled] = buffer[:filled]
+                    buffer = grown
+                carry = filled
+                continue
+            yield buffer, end + 1
+            carry = filled - end - 1
+            buffer[:carry] = buffer[end + 1:filled].copy()
+
+    def _blocks(self) -> Iterator[Batch]:
+        schema = self.schema
+        names = schema.sparse_feature_names
+        first_row = 0
+        for path in self.paths:
+            with open(path, "rb") as handle:
+                columns, first_line = self._column_names(handle, path)
+                kinds, slots = schema.column_layout(columns, str(path))
+                first_line += 1
+                for buffer, n in self._complete_lines(handle):
+                    (labels, dense, id_starts, id_counts, ids, rows, bad,
+                     lines) = kernels.parse_delimited_lines(
+                        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), kinds,
+                        slots, len(schema.labels), len(schema.dense), len(names),
+                        schema.binary_labels, first_row, self.block_rows, self.rank,
+                        self.world_size)
+                    if len(bad):
+                        self._record_bad_rows(path, columns, buffer, bad, first_line)
+                    if len(rows):
+                        values, offsets = kernels.row_major_to_feature_major(
+                            id_starts, id_counts, ids)
+                        yield Batch(JaggedFeatures(list(names), values, offsets), dense, labels,
+                                    rows.astype(np.uint64))
+                    first_row += lines
+                    first_line += lines
+
+    def _record_bad_rows(self, path: Path, columns: list[str], buffer: np.ndarray,
+                         bad: np.ndarray, first_line: int) -> None:
+        def describe(i: int) -> BadRow:
+            line, column, code, start, end = (int(x) for x in bad[i])
+            value = bytes(buffer[start:end]).decode("utf-8", errors="replace")
+            if code == kernels.ERROR_COLUMN_COUNT:
+                where = "*"
+                reason = f"expected {len(columns)} columns, found {column}"
+            else:
+                where = f"{column + 1} ({columns[column]})"
+                reason = kernels.ERROR_REASONS[code]
+            return BadRow(str(path), first_line + line, where, value, reason)
+
+        self.bad_rows.record(len(bad), describe, self.strict)
+
+
+class ParquetReader(_ShardedReader):
+    """Streams Parquet files described by a `TabularSchema` through pyarrow's iter_batches.
+
+    Categorical columns of any type are cast to strings and hashed like the text reader
+    hashes them; multi-ID columns may be list columns or strings split on multi_separator.
+    Rows with a null or (for binary labels) non-0/1 label are bad rows."""
+
+    def __init__(self, paths, schema: TabularSchema, batch_size: int, **kwargs) -> None:
+        super().__init__(paths, schema, batch_size, **kwargs)
+        if schema.hour_columns:
+            raise ValueError(f"hour_columns {list(schema.hour_columns)} are supported by the "
+                             f"delimited-text reader only")
+
+    def count_rows(self) -> int:
+        import pyarrow.parquet as pq
+
+        return sum(pq.ParquetFile(path).metadata.num_rows for path in self.paths)
+
+    def _blocks(self) -> Iterator[Batch]:
+        import pyarrow.parquet as pq
+
+        schema = self.schema
+        wanted = list(schema.labels + schema.dense + schema.categorical
+                      + schema.multi_categorical)
+        first_row = 0
+        for path in self.paths:
+            file_first_row = first_row
+            parquet = pq.ParquetFile(path)
+            missing = [c for c in wanted if c not in parquet.schema_arrow.names]
+            if missing:
+                raise ValueError(f"{path}: columns {missing} named by the schema are not "
+                                 f"among the file's columns {parquet.schema_arrow.names}")
+            for record_batch in parquet.iter_batches(batch_size=self.block_rows,
+                                                     columns=wanted):
+                rows = first_row + np.arange(record_batch.num_rows, dtype=np.int64)
+                first_row += record_batch.num_rows
+                mine = (rows // self.block_rows) % self.world_size == self.rank
+                if not mine.any():
+                    continue
+                batch = self._to_batch(record_batch.filter(mine), rows[mine], path,
+                                       file_first_row)
+                if len(batch):
+                    yield batch
+
+    def _to_batch(self, table, rows: np.ndarray, path: Path, file_first_row: int) -> Batch:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        schema = self.schema
+        labels = np.stack([pc.cast(table.column(c), pa.float32()).to_numpy(
+            zero_copy_only=False) for c in schema.labels], axis=1).astype(np.float32)
+        bad = np.isnan(labels).any(axis=1)
+        if schema.binary_labels:
+            bad |= ~np.isin(labels, (0.0, 1.0)).all(axis=1)
+        bad_rows = np.flatnonzero(bad)
+        self.bad_rows.record(len(bad_rows), lambda i: BadRow(
+            f"{path} (row)", int(rows[bad_rows[i]]) - file_first_row + 1, "label", str(labels[bad_rows[i]].tolist()),
+            kernels.ERROR_REASONS[kernels.ERROR_BAD_LABEL]), self.strict)
+        dense = np.zeros((table.num_rows, len(schema.dense)), dtype=np.float32)
+        for j, column in enumerate(schema.dense):
+            values = pc.fill_null(pc.cast(table.column(column), pa.float64()), 0.0)
+            values = values.to_numpy(zero_copy_only=False)
+            dense[:, j] = np.log1p(np.maximum(values, 0.0)) if schema.dense_transform == \
+                "log1p" else values
+        lengths, pieces = [], []
+        for slot, column in enumerate(schema.categorical + schema.multi_categorical):
+            data = table.column(column)
+            if slot < len(schema.categorical):
+                keys, present = _hash_strings(data, slot)
+                lengths.append(present.astype(np.int64))
+                pieces.append(keys[present])
+            else:
+                if not pa.types.is_list(data.type) and not pa.types.is_large_list(data.type):
+                    data = pc.split_pattern(pc.cast(data, pa.string()), schema.multi_separator)
+                list_offsets = data.offsets.to_numpy()
+                keys, present = _hash_strings(data.flatten(), slot)
+                kept_before = np.concatenate([[0], np.cumsum(present)])
+                lengths.append(kept_before[list_offsets[1:] - list_offsets[0]]
+                               - kept_before[list_offsets[:-1] - list_offsets[0]])
+                pieces.append(keys[present])
+        keep = ~bad
+        names = schema.sparse_feature_names
+        if names:
+            length_matrix = np.stack(lengths)
+            offsets = np.zeros(length_matrix.size + 1, dtype=np.int64)
+            np.cumsum(length_matrix.ravel(), out=offsets[1:])
+            sparse = JaggedFeatures(list(names), np.concatenate(pieces), offsets)
+        else:
+            sparse = JaggedFeatures([], np.empty(0, np.uint64), np.zeros(1, np.int64))
+        batch = Batch(sparse, dense, labels, rows.astype(np.uint64))
+        return batch if keep.all() else _take_rows(batch, np.flatnonzero(keep))
+
+
+def _hash_strings(array, field_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and presence of an Arrow array of any type, hashed as its string form."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    strings = pc.cast(array, pa.large_string())
+    _, offsets_buffer, data_buffer = strings.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int64)[
+        strings.offset: strings.offset + len(strings) + 1]
+    data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None \
+        else np.empty(0, np.uint8)
+    valid = strings.is_valid().to_numpy(zero_copy_only=False)
+    return kernels.hash_string_column(data, offsets, valid, field_index)
+
+
+def _take_rows(batch: Batch, rows: np.ndarray) -> Batch:
+    """The given rows (sorted indices) of a batch, via contiguous runs."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    runs = np.split(rows, breaks)
+    parts = [batch.slice_rows(int(run[0]), int(run[-1]) + 1) for run in runs if len(run)]
+    if not parts:
+        return batch.slice_rows(0, 0)
+    return Batch.concat(parts)
+
+
+def tabular_reader(paths, schema: TabularSchema | dict, batch_size: int, **kwargs):
+    """A Parquet reader for .parquet/.pq files, else a delimited-text reader."""
+    if isinstance(schema, dict):
+        schema = TabularSchema.from_dict(schema)
+    first = Path(paths if isinstance(paths, (str, os.PathLike)) else list(paths)[0])
+    if first.suffix.lower() in PARQUET_SUFFIXES:
+        return ParquetReader(paths, schema, batch_size, **kwargs)
+    return DelimitedTextReader(paths, schema, batch_size, **kwargs)
