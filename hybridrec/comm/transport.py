@@ -1,0 +1,416 @@
+"""ZeroMQ request/reply for numpy arrays: zero-copy frames, timeouts, retries, a threaded server.
+
+One message (request or reply) is a ZeroMQ multipart message:
+  frame 0   UTF-8 JSON header: {"op", "id", "arrays": [[name, dtype, shape], ...], "meta"};
+            a reply also carries "ok" and, when not ok, "error" and "kind".
+  frame 1.. the raw bytes of each array in header order, C-contiguous, little-endian; sent with
+            ``copy=False`` and received with ``np.frombuffer`` (never pickled): received
+            arrays are views of the frame's memory, not copies.
+
+`Client` talks to one server over a DEALER socket: every request has a timeout; after a
+timeout the socket is dropped and recreated (so a late reply or a queued request can never be
+mistaken for a new one) and idempotent requests are retried. `Server` binds a ROUTER socket
+(127.0.0.1 by default), hands requests over inproc to worker threads that validate and run
+the registered handlers, and stops within a bound. Malformed requests get an error reply that
+says what was wrong, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import zmq
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = frozenset(
+    np.dtype(name).newbyteorder("<").str
+    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+                 "int64", "uint64", "float16", "float32", "float64")
+)
+MAX_HEADER_BYTES = 1 << 20
+POLL_MS = 50  # how often idle loops look at their stop flag
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the wire format."""
+
+
+class RemoteError(RuntimeError):
+    """The server answered a request with an error; `kind` is the server-side exception type."""
+
+    def __init__(self, op: str, kind: str, message: str):
+        super().__init__(f"{op}: {kind}: {message}")
+        self.op, self.kind, self.message = op, kind, message
+
+
+@dataclass
+class Message:
+    """One request or reply: an operation name, named arrays and JSON-able metadata."""
+
+    op: str
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_frames(message: Message, request_id: int, **header_extra: Any) -> list:
+    """The multipart frames of `message`: a JSON header, then one raw buffer per array."""
+    descriptors, buffers = [], []
+    for name, array in message.arrays.items():
+        array = np.asarray(array)
+        wire = array.dtype.newbyteorder("<") if array.dtype.byteorder == "=" else array.dtype
+        if wire.str not in WIRE_DTYPES:
+            raise TypeError(
+                f"array {name!r} has dtype {array.dtype}, which the wire does not carry; "
+                f"allowed: {sorted(WIRE_DTYPES)}"
+            )
+        array = np.ascontiguousarray(array, dtype=wire)
+        descriptors.append([name, wire.str, list(array.shape)])
+        buffers.append(array.data if array.size else b"")
+    header = {"op": message.op, "id": request_id, "arrays": descriptors, "meta": message.meta}
+    header.update(header_extra)
+    return [json.dumps(header, separators=(",", ":")).encode(), *buffers]
+
+
+def _frame_bytes(frame: zmq.Frame | bytes) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def parse_header(frame: zmq.Frame | bytes) -> dict[str, Any]:
+    """The JSON header of a message, with its fields' types checked."""
+    raw = _frame_bytes(frame)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {len(raw)} bytes, more than the {MAX_HEADER_BYTES} allowed")
+    try:
+        header = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"header frame is not UTF-8 JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    if not isinstance(header.get("op"), str):
+        raise ProtocolError(f"header 'op' must be a string, got {header.get('op')!r}")
+    if not isinstance(header.get("id"), int):
+        raise ProtocolError(f"header 'id' must be an integer, got {header.get('id')!r}")
+    if not isinstance(header.get("arrays", []), list):
+        raise ProtocolError("header 'arrays' must be a list of [name, dtype, shape]")
+    if not isinstance(header.get("meta", {}), dict):
+        raise ProtocolError("header 'meta' must be a JSON object")
+    return header
+
+
+def decode_frames(header: dict[str, Any], frames: Sequence[zmq.Frame | bytes]) -> Message:
+    """The Message whose header is `header` and whose array payloads are `frames`."""
+    descriptors = header.get("arrays", [])
+    if len(frames) != len(descriptors):
+        raise ProtocolError(
+            f"header declares {len(descriptors)} arrays but {len(frames)} array frames arrived"
+        )
+    arrays = {}
+    for descriptor, frame in zip(descriptors, frames):
+        if (not isinstance(descriptor, list) or len(descriptor) != 3
+                or not isinstance(descriptor[0], str) or not isinstance(descriptor[2], list)):
+            raise ProtocolError(f"array descriptor must be [name, dtype, shape], got {descriptor!r}")
+        name, dtype, shape = descriptor
+        if dtype not in WIRE_DTYPES:
+            raise ProtocolError(f"array {name!r} has dtype {dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
+        if not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ProtocolError(f"array {name!r} has shape {shape!r}; dimensions must be ints >= 0")
+        buffer = _frame_bytes(frame)
+        expected = math.prod(shape) * np.dtype(dtype).itemsize
+        if len(buffer) != expected:
+            raise ProtocolError(
+                f"array {name!r} declared {dtype}{tuple(shape)} = {expected} bytes "
+                f"but its frame has {len(buffer)} bytes"
+            )
+        if name in arrays:
+            raise ProtocolError(f"array {name!r} appears twice")
+        arrays[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    return Message(header["op"], arrays, header.get("meta", {}))
+
+
+def _new_dealer(context: zmq.Context, address: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+class Client:
+    """Requests to one server. Not thread-safe: use one Client per thread.
+
+    `request` sends and waits; `send` + `receive` let a caller fan out to several servers
+    (send to all, then receive from all). `timeout` is seconds per attempt; `retries` is how
+    many more attempts an idempotent request gets after a timeout.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 2,
+                 context: zmq.Context | None = None):
+        if not isinstance(address, str) or "://" not in address:
+            raise ValueError(f"address must look like 'tcp://host:port', got {address!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        self.address, self.timeout, self.retries = address, float(timeout), retries
+        self._context = context or zmq.Context.instance()
+        self._socket = _new_dealer(self._context, address)
+        self._ids = itertools.count(1)
+
+    def send(self, op: str, arrays: dict[str, np.ndarray] | None = None,
+             meta: dict[str, Any] | None = None) -> int:
+        """Send one request without waiting; returns its id for `receive`."""
+        request_id = next(self._ids)
+        frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
+        self._socket.send_multipart(frames, copy=False)
+        return request_id
+
+    def receive(self, request_id: int, timeout: float | None = None) -> Message:
+        """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self._socket.poll(remaining_ms, zmq.POLLIN):
+                self.reconnect()
+                raise TimeoutError(f"no reply from {self.address} within the timeout")
+            frames = self._socket.recv_multipart(copy=False)
+            header = parse_header(frames[0])
+            if header["id"] != request_id:
+                continue  # a reply to a request we stopped waiting for
+            if not header.get("ok", False):
+                raise RemoteError(header["op"], str(header.get("kind", "Error")),
+                                  str(header.get("error", "unknown error")))
+            return decode_frames(header, frames[1:])
+
+    def request(self, op: str, arrays: dict[str, np.ndarray] | None = None,
+                meta: dict[str, Any] | None = None, *, idempotent: bool = False,
+                timeout: float | None = None, retries: int | None = None) -> Message:
+        """Send a request and wait for its reply, retrying after timeouts if `idempotent`.
+
+        `retries` overrides the client's retry count for this call. A non-idempotent request
+        that times out raises TimeoutError: it may or may not have been applied by the server.
+        """
+        attempts = 1 + ((self.retries if retries is None else retries) if idempotent else 0)
+        for attempt in range(attempts):
+            request_id = self.send(op, arrays, meta)
+            try:
+                return self.receive(request_id, timeout)
+            except TimeoutError:
+                if attempt + 1 == attempts:
+                    raise TimeoutError(
+                        f"{op} to {self.address}: no reply after {attempts} attempt(s)"
+                        + ("" if idempotent else "; it may or may not have been applied")
+                    ) from None
+        raise AssertionError("unreachable")
+
+    def reconnect(self) -> None:
+        """Drop the socket (and anything queued on it) and connect a fresh one."""
+        self._socket.close(linger=0)
+        self._socket = _new_dealer(self._context, self.address)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def request_all(requests: Sequence[tuple[Client, str, dict[str, np.ndarray], dict[str, Any]]],
+                *, idempotent: bool = False) -> list[Message]:
+    """Send every (client, op, arrays, meta) first, then collect the replies in order.
+
+    The servers work in parallel; a server that times out is retried on its own when the
+    op is idempotent.
+    """
+    pending = [client.send(op, arrays, meta) for client, op, arrays, meta in requests]
+    replies = []
+    for (client, op, arrays, meta), request_id in zip(requests, pending):
+        try:
+            replies.append(client.receive(request_id))
+        except TimeoutError:
+            if not idempotent or client.retries == 0:
+                raise
+            replies.append(client.request(op, arrays, meta, idempotent=True,
+                                          retries=client.retries - 1))
+    return replies
+
+
+Handler = Callable[[Message], Message]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A server operation: its handler and the arrays (name -> dtype) a request must carry.
+
+    `arrays=None` lets any arrays through (the handler checks them).
+    """
+
+    handler: Handler
+    arrays: dict[str, str] | None = field(default_factory=dict)
+
+    def check(self, message: Message) -> None:
+        if self.arrays is None:
+            return
+        expected = {name: np.dtype(dtype) for name, dtype in self.arrays.items()}
+        if set(message.arrays) != set(expected):
+            raise ProtocolError(
+                f"op {message.op!r} takes arrays {sorted(expected)}, got {sorted(message.arrays)}"
+            )
+        for name, dtype in expected.items():
+            if message.arrays[name].dtype != dtype:
+                raise ProtocolError(
+                    f"op {message.op!r} array {name!r} must be {dtype}, got {message.arrays[name].dtype}"
+                )
+
+
+class Server:
+    """A ROUTER front on `host:port` feeding `threads` worker threads that run handlers.
+
+    `port=0` picks a free port (see `.port` after `start`). `request_stop()` may be called
+    from a handler: the reply in flight is still delivered.
+    """
+
+    def __init__(self, operations: dict[str, Operation], *, host: str = "127.0.0.1",
+                 port: int = 0, threads: int = 2, max_frame_bytes: int = 1 << 30):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        self.operations = dict(operations)
+        self.host, self.port, self.threads = host, port, threads
+        self.max_frame_bytes = max_frame_bytes
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._context: zmq.Context | None = None
+        self._workers: list[threading.Thread] = []
+        self._proxy: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind and start serving in background threads; returns the bound port."""
+        self._context = zmq.Context()
+        front = self._context.socket(zmq.ROUTER)
+        front.setsockopt(zmq.LINGER, 1000)  # let the last replies out on stop
+        front.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        try:
+            if self.port:
+                front.bind(f"tcp://{self.host}:{self.port}")
+            else:
+                self.port = front.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError:
+            front.close(linger=0)
+            self._context.term()
+            raise
+        back = self._context.socket(zmq.DEALER)
+        back.setsockopt(zmq.LINGER, 0)
+        backend = f"inproc://workers-{id(self)}"
+        back.bind(backend)
+        self._workers = [
+            threading.Thread(target=self._work, args=(backend,), name=f"ps-worker-{i}", daemon=True)
+            for i in range(self.threads)
+        ]
+        for worker in self._workers:
+            worker.start()
+        self._proxy = threading.Thread(target=self._forward, args=(front, back), name="ps-proxy",
+                                       daemon=True)
+        self._proxy.start()
+        return self.port
+
+    def _forward(self, front: zmq.Socket, back: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        poller.register(back, zmq.POLLIN)
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                if stopping and not any(worker.is_alive() for worker in self._workers):
+                    break
+                events = dict(poller.poll(POLL_MS))
+                if back in events:  # replies first, also while stopping
+                    front.send_multipart(back.recv_multipart(copy=False), copy=False)
+                if front in events and not stopping:
+                    back.send_multipart(front.recv_multipart(copy=False), copy=False)
+            while back.poll(POLL_MS, zmq.POLLIN):  # replies the last workers sent
+                front.send_multipart(back.recv_multipart(copy=False), copy=False)
+        finally:
+            back.close()
+            front.close()
+            self._stopped.set()
+
+    def _work(self, backend: str) -> None:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 1000)  # a reply sent just before stopping still leaves
+        socket.connect(backend)
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(POLL_MS, zmq.POLLIN):
+                    continue
+                frames = socket.recv_multipart(copy=False)
+                socket.send_multipart([frames[0], *self._answer(frames[1:])], copy=False)
+        finally:
+            socket.close()
+
+    def _answer(self, frames: list[zmq.Frame]) -> list:
+        """The reply frames for one request's frames (header + arrays); never raises."""
+        op, request_id = "?", -1
+        try:
+            header = parse_header(frames[0])
+            op, request_id = header["op"], header["id"]
+            operation = self.operations.get(op)
+            if operation is None:
+                raise ProtocolError(f"unknown op {op!r}; this server knows {sorted(self.operations)}")
+            request = decode_frames(header, frames[1:])
+            operation.check(request)
+            reply = operation.handler(request)
+            return encode_frames(reply, request_id, ok=True)
+        except Exception as error:  # a bad request must never take the server down
+            if not isinstance(error, (ValueError, TypeError, KeyError)):
+                log.exception("op %s failed", op)
+            kind = type(error).__name__
+            return encode_frames(Message(op), request_id, ok=False, kind=kind, error=str(error))
+
+    def request_stop(self) -> None:
+        """Ask the server to stop; returns at once (see `stop` to wait)."""
+        self._stop.set()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop and wait up to `timeout` seconds; True when every thread has ended."""
+        self._stop.set()
+        if self._proxy is None:
+            return True
+        deadline = time.monotonic() + timeout
+        for thread in [*self._workers, *([self._proxy] if self._proxy else [])]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        finished = self._stopped.is_set() and not any(t.is_alive() for t in self._workers)
+        if finished and self._context is not None:
+            self._context.term()
+            self._context = None
+        elif not finished:
+            log.warning("server on %s: threads still busy after %.1fs; left as daemons",
+                        self.address, timeout)
+        return finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped (e.g. after a shutdown request)."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> "Server":
+        if self._proxy is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
