@@ -1,0 +1,75 @@
+"""64-bit mixing functions shared by every part that hashes keys.
+
+One place defines how a uint64 key becomes (a) a slot in a store's hash index, (b) a partition
+inside a store, (c) a PS shard (the one global `route` of (table, key) -> shard), and (d) the
+counter-based random numbers that initialise a row deterministically from (seed, key).
+Each use mixes with its own salt so that the bits used by one never correlate with another's.
+"""
+import numpy as np
+from numba import njit
+
+U64_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+
+INDEX_SALT = np.uint64(0x243F6A8885A308D3)
+ROUTE_SALT = np.uint64(0x13198A2E03707344)
+INIT_SALT = np.uint64(0xA4093822299F31D0)
+ADMIT_SALT = np.uint64(0x082EFA98EC4E6C89)
+SKETCH_SALT = np.uint64(0x452821E638D01377)
+_LO32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_S11 = np.uint64(11)
+_INV53 = 1.0 / 9007199254740992.0
+
+
+@njit(inline="always")
+def mix64(x):
+    """splitmix64 finaliser: a bijection on uint64 with full avalanche."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+@njit(inline="always")
+def scale32(h, n):
+    """Map the low 32 bits of `h` onto [0, n) without a division (n < 2**32)."""
+    return np.int64(((h & _LO32) * np.uint64(n)) >> _S32)
+
+
+@njit(inline="always")
+def scale_hi32(h, n):
+    """Map the high 32 bits of `h` onto [0, n)."""
+    return np.int64(((h >> _S32) * np.uint64(n)) >> _S32)
+
+
+@njit(inline="always")
+def uniform01(x):
+    """A float64 in [0, 1) from 64 random bits."""
+    return np.float64(x >> _S11) * _INV53
+
+
+@njit(cache=True, nogil=True)
+def _route_kernel(keys, salt, num_shards, out):
+    for i in range(keys.shape[0]):
+        out[i] = scale_hi32(mix64(keys[i] ^ salt), num_shards)
+
+
+def route(keys, table_id, num_shards):
+    """The global shard of each (table, key): int64 array in [0, num_shards).
+
+    Persia's shuffled partition: keys of one table spread uniformly over all shards, and the
+    same (table, key) goes to the same shard in every process, PS client and checkpoint loader.
+    """
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype != np.uint64:
+        raise TypeError(f"route: keys must be uint64, got {keys.dtype}")
+    if not 1 <= int(num_shards) < 2**31:
+        raise ValueError(f"route: num_shards must be in [1, 2**31), got {num_shards}")
+    salt = mix64(ROUTE_SALT + np.uint64(int(table_id) & 0xFFFFFFFFFFFFFFFF) * U64_GOLDEN)
+    out = np.empty(keys.shape[0], dtype=np.int64)
+    _route_kernel(keys, salt, int(num_shards), out)
+    return out

@@ -1,0 +1,523 @@
+"""Numba kernels of the embedding store: probe/insert, eviction, pooling, gradient scatter and
+fused optimizer updates. No Python runs per ID; `store.py` only validates and calls these.
+
+Memory layout (one contiguous float32 array `rows` of shape [capacity, width], Persia §4.2.2):
+    [0, dim)            embedding
+    [dim, dim+state)    optimizer state
+    [meta, meta+8)      metadata, viewed as other dtypes of the same bytes:
+        key (uint64, 2 slots) | lru prev | lru next | access count | clock | stamp | batch slot
+`r32` is `rows.view(int32)` and `r64` is `rows.view(uint64)`; the key sits at column meta//2 of r64.
+`index` is an int32 open-addressing (linear probing) table of row numbers, -1 = empty, with
+backward-shift deletion (no tombstones). The store is split into partitions (one per thread,
+Persia's per-thread subsets): partition p owns a range of rows, a range of index slots, and its
+own LRU list; its bookkeeping is the int64 row parts[p].
+"""
+import numpy as np
+from numba import njit, prange
+
+from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
+from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
+
+# metadata columns, relative to the meta offset (int32 view)
+M_PREV, M_NEXT, M_COUNT, M_CLOCK, M_STAMP, M_SLOT = 2, 3, 4, 5, 6, 7
+META_WIDTH = 8
+
+# parts[p, *]
+PT_ROW_START, PT_ROW_COUNT, PT_SLOT_START, PT_SLOT_COUNT, PT_SIZE, PT_HEAD, PT_TAIL = 0, 1, 2, 3, 4, 5, 6
+PT_EVICTED, PT_REJECTED, PT_RNG, PT_INSERTED = 7, 8, 9, 10
+PARTS_WIDTH = 12
+
+# icfg[*]: integer configuration read by kernels
+IC_DIM, IC_STATE, IC_META, IC_POLICY, IC_MIN_FREQ, IC_INIT_KIND, IC_NPARTS = 0, 1, 2, 3, 4, 5, 6
+ICFG_WIDTH = 8
+# fcfg[*]: float configuration
+FC_ADMIT_PROB, FC_INIT_A, FC_INIT_B, FC_INIT_BOUND, FC_STATE_INIT, FC_WEIGHT_DECAY, FC_WEIGHT_BOUND = 0, 1, 2, 3, 4, 5, 6
+FCFG_WIDTH = 8
+
+POLICY_LRU, POLICY_LFU = 0, 1
+INIT_UNIFORM, INIT_NORMAL, INIT_ZEROS = 0, 1, 2
+MODE_TRAIN, MODE_FIND, MODE_FORCE = 0, 1, 2  # insert with admission | never insert | insert always
+
+ERR_FULL = 1  # every row of a partition is used by the current batch: nothing can be evicted
+_COUNT_CEILING = 1 << 30
+_LFU_SAMPLES = 8
+
+
+@njit(inline="always")
+def _index_hash(key):
+    return mix64(key ^ INDEX_SALT)
+
+
+@njit(cache=True, nogil=True)
+def compute_partitions(keys, nparts, hashes, part_of):
+    """Hash every key once; record its partition when nparts > 1 (part_of may be empty otherwise)."""
+    for i in range(keys.shape[0]):
+        h = _index_hash(keys[i])
+        hashes[i] = h
+        if nparts > 1:
+            part_of[i] = scale_hi32(h, nparts)
+
+
+@njit(cache=True, nogil=True)
+def order_by_partition(part_of, nparts, order, starts):
+    """Counting sort of key positions by partition: order[starts[p]:starts[p+1]] are partition p's."""
+    counts = np.zeros(nparts + 1, dtype=np.int64)
+    for i in range(part_of.shape[0]):
+        counts[part_of[i] + 1] += 1
+    for p in range(nparts):
+        counts[p + 1] += counts[p]
+    for p in range(nparts + 1):
+        starts[p] = counts[p]
+    for i in range(part_of.shape[0]):
+        p = part_of[i]
+        order[counts[p]] = i
+        counts[p] += 1
+
+
+# ---------------------------------------------------------------- LRU list (array indices)
+
+@njit(inline="always")
+def _lru_unlink(r32, meta, parts, p, r):
+    prv = r32[r, meta + M_PREV]
+    nxt = r32[r, meta + M_NEXT]
+    if prv >= 0:
+        r32[prv, meta + M_NEXT] = nxt
+    else:
+        parts[p, PT_HEAD] = nxt
+    if nxt >= 0:
+        r32[nxt, meta + M_PREV] = prv
+    else:
+        parts[p, PT_TAIL] = prv
+
+
+@njit(inline="always")
+def _lru_push_head(r32, meta, parts, p, r):
+    head = parts[p, PT_HEAD]
+    r32[r, meta + M_PREV] = -1
+    r32[r, meta + M_NEXT] = head
+    if head >= 0:
+        r32[head, meta + M_PREV] = r
+    else:
+        parts[p, PT_TAIL] = r
+    parts[p, PT_HEAD] = r
+
+
+@njit(inline="always")
+def _lru_touch(r32, meta, parts, p, r):
+    if parts[p, PT_HEAD] != r:
+        _lru_unlink(r32, meta, parts, p, r)
+        _lru_push_head(r32, meta, parts, p, r)
+
+
+# ---------------------------------------------------------------- hash index
+
+@njit(inline="always")
+def _probe(index, r64, kcol, key, s0, ns, h):
+    """Slot holding `key`, or the first empty slot of its probe sequence (index[slot] == -1)."""
+    s = scale32(h, ns)
+    while True:
+        r = index[s0 + s]
+        if r < 0 or r64[r, kcol] == key:
+            return s0 + s
+        s += 1
+        if s == ns:
+            s = 0
+
+
+@njit(cache=True, nogil=True)
+def _index_delete(index, r64, kcol, slot, s0, ns):
+    """Remove the entry at `slot` by shifting later entries of the run back (no tombstones)."""
+    hole = slot - s0
+    j = hole
+    while True:
+        j += 1
+        if j == ns:
+            j = 0
+        r = index[s0 + j]
+        if r < 0:
+            break
+        home = scale32(_index_hash(r64[r, kcol]), ns)
+        d_home = (home - hole) % ns
+        d_j = (j - hole) % ns
+        if 0 < d_home <= d_j:
+            continue  # its home lies after the hole: it must stay
+        index[s0 + hole] = r
+        hole = j
+    index[s0 + hole] = -1
+
+
+# ---------------------------------------------------------------- row initialisation
+
+@njit(inline="always")
+def _init_row(rows, r, key, seed, icfg, fcfg):
+    dim = icfg[IC_DIM]
+    kind = icfg[IC_INIT_KIND]
+    base = mix64(key ^ mix64(seed ^ INIT_SALT))
+    if kind == INIT_ZEROS:
+        for j in range(dim):
+            rows[r, j] = 0.0
+    elif kind == INIT_UNIFORM:
+        lo = fcfg[FC_INIT_A]
+        width = fcfg[FC_INIT_B] - lo
+        for j in range(dim):
+            rows[r, j] = lo + width * uniform01(mix64(base + np.uint64(j) * U64_GOLDEN))
+    else:  # truncated normal: resample outside mean +- bound, counter-based so it is deterministic
+        mean = fcfg[FC_INIT_A]
+        std = fcfg[FC_INIT_B]
+        bound = fcfg[FC_INIT_BOUND]
+        c = np.uint64(0)
+        for j in range(dim):
+            v = mean
+            for _ in range(32):
+                u1 = uniform01(mix64(base + c * U64_GOLDEN))
+                u2 = uniform01(mix64(base + (c + np.uint64(1)) * U64_GOLDEN))
+                c += np.uint64(2)
+                z = np.sqrt(-2.0 * np.log(1.0 - u1)) * np.cos(2.0 * np.pi * u2)
+                v = mean + std * z
+                if abs(v - mean) <= bound:
+                    break
+            rows[r, j] = min(max(v, mean - bound), mean + bound)
+    init = fcfg[FC_STATE_INIT]
+    for j in range(dim, dim + icfg[IC_STATE]):
+        rows[r, j] = init
+
+
+# ---------------------------------------------------------------- admission and eviction
+
+@njit(inline="always")
+def _admit(key, seed, epoch, icfg, fcfg, sketch):
+    min_freq = icfg[IC_MIN_FREQ]
+    if min_freq > 1:
+        width = sketch.shape[1]
+        h1 = mix64(key ^ SKETCH_SALT)
+        h2 = mix64(h1 ^ SKETCH_SALT)
+        a = scale32(h1, width)
+        b = scale32(h2, width)
+        est = min(sketch[0, a], sketch[1, b])
+        if est < 65535:  # conservative update: raise only the counters at the minimum
+            if sketch[0, a] == est:
+                sketch[0, a] = est + 1
+            if sketch[1, b] == est:
+                sketch[1, b] = est + 1
+        if np.int64(est) + 1 < min_freq:
+            return False
+    prob = fcfg[FC_ADMIT_PROB]
+    if prob < 1.0:
+        u = uniform01(mix64(key ^ mix64(seed ^ ADMIT_SALT ^ np.uint64(epoch))))
+        if u >= prob:
+            return False
+    return True
+
+
+@njit(inline="always")
+def _lfu_victim(r32, meta, parts, p, epoch):
+    start = parts[p, PT_ROW_START]
+    count = parts[p, PT_ROW_COUNT]
+    best = -1
+    best_count = np.int64(1) << 40
+    for _ in range(4):
+        for _k in range(_LFU_SAMPLES):
+            parts[p, PT_RNG] += 1
+            r = start + scale32(mix64(np.uint64(parts[p, PT_RNG]) ^ SKETCH_SALT), count)
+            if r32[r, meta + M_STAMP] != epoch and r32[r, meta + M_COUNT] < best_count:
+                best = r
+                best_count = r32[r, meta + M_COUNT]
+        if best >= 0:
+            return best
+    for r in range(start, start + count):  # every sample was in use by this batch
+        if r32[r, meta + M_STAMP] != epoch:
+            return r
+    return -1
+
+
+@njit(inline="always")
+def _age_counts(r32, meta, parts, p):
+    start = parts[p, PT_ROW_START]
+    for r in range(start, start + parts[p, PT_SIZE]):
+        r32[r, meta + M_COUNT] >>= 1
+
+
+# ---------------------------------------------------------------- lookup
+
+@njit(cache=True, nogil=True)
+def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
+                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase):
+    """Probe (and insert) the keys of partition p; returns (number of unique rows, error code)."""
+    meta = icfg[IC_META]
+    kcol = meta // 2
+    lfu = icfg[IC_POLICY] == POLICY_LFU
+    s0 = parts[p, PT_SLOT_START]
+    ns = parts[p, PT_SLOT_COUNT]
+    nuniq = 0
+    use_order = order.shape[0] > 0
+    for j in range(lo, hi):
+        i = order[j] if use_order else j
+        key = keys[i]
+        h = hashes[i]
+        slot = _probe(index, r64, kcol, key, s0, ns, h)
+        r = index[slot]
+        if r < 0:
+            if mode == MODE_FIND or (mode == MODE_TRAIN and not _admit(key, seed, epoch, icfg, fcfg, sketch)):
+                if mode == MODE_TRAIN:
+                    parts[p, PT_REJECTED] += 1
+                out_rows[i] = -1
+                inverse[i] = -1
+                continue
+            size = parts[p, PT_SIZE]
+            if size < parts[p, PT_ROW_COUNT]:
+                r = parts[p, PT_ROW_START] + size
+                parts[p, PT_SIZE] = size + 1
+            else:
+                if lfu:
+                    r = _lfu_victim(r32, meta, parts, p, epoch)
+                else:
+                    r = parts[p, PT_TAIL]
+                    if r32[r, meta + M_STAMP] == epoch:
+                        r = -1
+                if r < 0:
+                    return nuniq, ERR_FULL
+                _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
+                                                       _index_hash(r64[r, kcol])), s0, ns)
+                if not lfu:
+                    _lru_unlink(r32, meta, parts, p, r)
+                parts[p, PT_EVICTED] += 1
+                slot = _probe(index, r64, kcol, key, s0, ns, h)
+            index[slot] = r
+            r64[r, kcol] = key
+            _init_row(rows, r, key, seed, icfg, fcfg)
+            r32[r, meta + M_COUNT] = 0
+            r32[r, meta + M_CLOCK] = 0
+            r32[r, meta + M_STAMP] = epoch - 1
+            if not lfu:
+                _lru_push_head(r32, meta, parts, p, r)
+            parts[p, PT_INSERTED] += 1
+        if mode != MODE_FIND:
+            c = r32[r, meta + M_COUNT] + 1
+            r32[r, meta + M_COUNT] = c
+            if c >= _COUNT_CEILING:
+                _age_counts(r32, meta, parts, p)
+        if r32[r, meta + M_STAMP] != epoch:
+            r32[r, meta + M_STAMP] = epoch
+            r32[r, meta + M_SLOT] = ubase + nuniq
+            uniq_rows[ubase + nuniq] = r
+            nuniq += 1
+            if mode != MODE_FIND and not lfu:
+                _lru_touch(r32, meta, parts, p, r)
+        out_rows[i] = r
+        inverse[i] = r32[r, meta + M_SLOT]
+    return nuniq, 0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def lookup_parallel(keys, hashes, order, starts, rows, r32, r64, index, parts, sketch, icfg, fcfg,
+                    seed, epoch, mode, out_rows, inverse, uniq_rows, nuniq, errors):
+    """All partitions at once, one per thread; unique rows of p land at uniq_rows[starts[p]:]."""
+    for p in prange(parts.shape[0]):
+        n, err = _lookup_partition(p, keys, hashes, order, starts[p], starts[p + 1], rows, r32, r64,
+                                   index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
+                                   inverse, uniq_rows, starts[p])
+        nuniq[p] = n
+        errors[p] = err
+
+
+@njit(cache=True, nogil=True)
+def lookup_serial(keys, hashes, rows, r32, r64, index, parts, sketch, icfg, fcfg, seed, epoch,
+                  mode, out_rows, inverse, uniq_rows):
+    """One partition: the common single-thread path, no reordering."""
+    return _lookup_partition(0, keys, hashes, np.empty(0, np.int64), 0, keys.shape[0], rows, r32,
+                             r64, index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
+                             inverse, uniq_rows, 0)
+
+
+@njit(cache=True, nogil=True)
+def compact_unique(starts, nuniq, part_of, uniq_rows, inverse):
+    """Close the gaps between partitions' unique ranges; returns the total number of unique rows."""
+    nparts = nuniq.shape[0]
+    shift = np.zeros(nparts, dtype=np.int64)
+    total = 0
+    for p in range(nparts):
+        shift[p] = starts[p] - total
+        for u in range(nuniq[p]):
+            uniq_rows[total + u] = uniq_rows[starts[p] + u]
+        total += nuniq[p]
+    for i in range(inverse.shape[0]):
+        if inverse[i] >= 0:
+            inverse[i] -= shift[part_of[i]]
+    return total
+
+
+# ---------------------------------------------------------------- forward / backward
+
+@njit(cache=True, nogil=True)
+def gather_pool(rows, row_ids, offsets, mode, out):
+    """out[b] = pool(rows[row_ids[offsets[b]:offsets[b+1]], :dim]); mode 0 sum, 1 mean, 2 sqrt-n.
+    Missing rows (-1: absent or not admitted) read as zeros."""
+    dim = out.shape[1]
+    for b in range(out.shape[0]):
+        for d in range(dim):
+            out[b, d] = 0.0
+        start = offsets[b]
+        end = offsets[b + 1]
+        for i in range(start, end):
+            r = row_ids[i]
+            if r >= 0:
+                for d in range(dim):
+                    out[b, d] += rows[r, d]
+        n = end - start
+        if n > 1 and mode != 0:
+            scale = 1.0 / n if mode == 1 else 1.0 / np.sqrt(n)
+            for d in range(dim):
+                out[b, d] *= scale
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(rows, row_ids, out):
+    """out[i] = rows[row_ids[i], :dim] (zeros for -1): the unpooled form."""
+    dim = out.shape[1]
+    for i in range(row_ids.shape[0]):
+        r = row_ids[i]
+        if r >= 0:
+            for d in range(dim):
+                out[i, d] = rows[r, d]
+        else:
+            for d in range(dim):
+                out[i, d] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def scatter_pooled_grad(grad, inverse, offsets, mode, ugrad):
+    """Accumulate the gradient of pooled outputs onto unique rows (the transpose of gather_pool)."""
+    dim = grad.shape[1]
+    for b in range(grad.shape[0]):
+        start = offsets[b]
+        end = offsets[b + 1]
+        n = end - start
+        scale = 1.0
+        if n > 1 and mode != 0:
+            scale = 1.0 / n if mode == 1 else 1.0 / np.sqrt(n)
+        for i in range(start, end):
+            u = inverse[i]
+            if u >= 0:
+                for d in range(dim):
+                    ugrad[u, d] += scale * grad[b, d]
+
+
+@njit(cache=True, nogil=True)
+def scatter_rows_grad(grad, inverse, ugrad):
+    """Accumulate per-ID gradients onto unique rows (equal keys sum)."""
+    dim = grad.shape[1]
+    for i in range(grad.shape[0]):
+        u = inverse[i]
+        if u >= 0:
+            for d in range(dim):
+                ugrad[u, d] += grad[i, d]
+
+
+@njit(cache=True, nogil=True)
+def all_finite(x):
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            if not np.isfinite(x[i, j]):
+                return False
+    return True
+
+
+# ---------------------------------------------------------------- fused optimizer updates
+
+@njit(cache=True, nogil=True)
+def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, params, step):
+    """Apply one optimizer step to each unique row whose key is still the one looked up.
+
+    Rows evicted (and reused by another key) since the lookup are skipped and counted: their
+    gradient belongs to a key that is no longer in memory. Returns the number skipped.
+    """
+    dim = icfg[IC_DIM]
+    meta = icfg[IC_META]
+    kcol = meta // 2
+    wd = fcfg[FC_WEIGHT_DECAY]
+    bound = fcfg[FC_WEIGHT_BOUND]
+    lr = params[P_LR]
+    a = params[P_A]
+    b = params[P_B]
+    c = params[P_C]
+    adam_step = 0.0
+    if opt == OPT_ADAGRAD:
+        lr = lr / (1.0 + (step - 1) * b)
+    elif opt == OPT_ADAM:  # torch.optim.SparseAdam: lr * sqrt(1 - b2^t) / (1 - b1^t)
+        adam_step = lr * np.sqrt(1.0 - b ** step) / (1.0 - a ** step)
+    skipped = 0
+    for u in range(uniq_rows.shape[0]):
+        r = uniq_rows[u]
+        if r < 0 or r64[r, kcol] != uniq_keys[u]:
+            skipped += 1
+            continue
+        for d in range(dim):
+            w = np.float64(rows[r, d])
+            g = np.float64(ugrad[u, d]) + wd * w
+            if opt == OPT_SGD:
+                if a > 0.0:
+                    buf = a * rows[r, dim + d] + g
+                    rows[r, dim + d] = buf
+                    g = g + a * buf if b > 0.0 else buf
+                w = w - lr * g
+            elif opt == OPT_ADAGRAD:
+                acc = rows[r, dim + d] + g * g
+                rows[r, dim + d] = acc
+                w = w - lr * g / (np.sqrt(np.float64(np.float32(acc))) + a)
+            elif opt == OPT_ADAM:
+                m = a * rows[r, dim + d] + (1.0 - a) * g
+                v = b * rows[r, dim + dim + d] + (1.0 - b) * g * g
+                rows[r, dim + d] = m
+                rows[r, dim + dim + d] = v
+                m = np.float64(np.float32(m))
+                v = np.float64(np.float32(v))
+                w = w - adam_step * m / (np.sqrt(v) + c)
+            else:  # FTRL-Proximal: state z at dim+d, n at 2*dim+d; a=l1, b=l2, c=beta
+                n_old = np.float64(rows[r, dim + dim + d])
+                n_new = n_old + g * g
+                sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / lr
+                z = np.float64(rows[r, dim + d]) + g - sigma * w
+                rows[r, dim + d] = z
+                rows[r, dim + dim + d] = n_new
+                z = np.float64(np.float32(z))
+                if abs(z) <= a:
+                    w = 0.0
+                else:
+                    sign = 1.0 if z > 0 else -1.0
+                    w = -(z - sign * a) / ((c + np.sqrt(np.float64(np.float32(n_new)))) / lr + b)
+            if w > bound:
+                w = bound
+            elif w < -bound:
+                w = -bound
+            rows[r, d] = w
+        r32[r, meta + M_CLOCK] += 1
+    return skipped
+
+
+# ---------------------------------------------------------------- repair and rebuild
+
+@njit(cache=True, nogil=True)
+def rebuild_index(r64, index, parts, meta):
+    """Re-insert every live row's key (after loading rows, or repairing an interrupted update)."""
+    kcol = meta // 2
+    index[:] = -1
+    for p in range(parts.shape[0]):
+        s0 = parts[p, PT_SLOT_START]
+        ns = parts[p, PT_SLOT_COUNT]
+        start = parts[p, PT_ROW_START]
+        for r in range(start, start + parts[p, PT_SIZE]):
+            key = r64[r, kcol]
+            slot = _probe(index, r64, kcol, key, s0, ns, _index_hash(key))
+            if index[slot] >= 0:
+                return r  # a duplicate key: the rows are not a valid store
+            index[slot] = r
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def relink_lru(r32, meta, parts, p, ordered_rows):
+    """Rebuild partition p's LRU list from rows ordered least- to most-recently used."""
+    parts[p, PT_HEAD] = -1
+    parts[p, PT_TAIL] = -1
+    for k in range(ordered_rows.shape[0]):
+        _lru_push_head(r32, meta, parts, p, ordered_rows[k])

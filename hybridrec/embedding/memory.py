@@ -1,0 +1,95 @@
+"""Where a store's arrays live: process heap, or named shared memory that outlives the process.
+
+A named store keeps each array as a file in a directory under /dev/shm (tmpfs: RAM, not disk),
+mapped with numpy.memmap. Writes land in those pages directly, so after `kill -9` of the owning
+process a new process that maps the same name sees every update that completed. We do not use
+multiprocessing.shared_memory: before Python 3.13 its resource tracker unlinks segments when the
+creating process dies, which is exactly the case this must survive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,120}$")
+CONFIG_FILE = "store.json"
+
+
+def shm_root() -> Path:
+    """The directory holding named stores: HYBRIDREC_SHM_DIR, else /dev/shm, else the temp dir."""
+    env = os.environ.get("HYBRIDREC_SHM_DIR")
+    if env:
+        return Path(env)
+    dev = Path("/dev/shm")
+    return dev if dev.is_dir() and os.access(dev, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def shm_path(name: str) -> Path:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"shm_name: {name!r} is not allowed; use 1-121 characters of letters, digits, '_', '.', '-' "
+            "starting with a letter or digit"
+        )
+    return shm_root() / f"hybridrec-{name}"
+
+
+def shared_exists(name: str) -> bool:
+    return (shm_path(name) / CONFIG_FILE).is_file()
+
+
+def unlink_shared(name: str) -> bool:
+    """Delete a named store's memory; True when something was there."""
+    path = shm_path(name)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    return False
+
+
+class Arena:
+    """Allocates a store's arrays either on the heap (name None) or as named shared memory."""
+
+    def __init__(self, name: str | None, create: bool):
+        self.name = name
+        self.path = shm_path(name) if name is not None else None
+        if self.path is not None:
+            if create:
+                if shared_exists(name):
+                    raise FileExistsError(
+                        f"shm_name: a store named {name!r} already exists at {self.path}; attach to it with "
+                        "EmbeddingStore.attach(name) or delete it with hybridrec.embedding.unlink_shared(name)"
+                    )
+                shutil.rmtree(self.path, ignore_errors=True)  # a creation that never finished
+                self.path.mkdir(parents=True)
+            elif not shared_exists(name):
+                raise FileNotFoundError(f"shm_name: no store named {name!r} at {self.path}")
+
+    def array(self, label: str, shape, dtype, fill=None, create=True) -> np.ndarray:
+        if self.path is None:
+            arr = np.empty(shape, dtype=dtype)
+            if fill is not None:
+                arr.fill(fill)
+            return arr
+        file = self.path / f"{label}.bin"
+        if create:
+            arr = np.memmap(file, dtype=dtype, mode="w+", shape=tuple(shape))
+            if fill is not None and fill != 0:  # new tmpfs pages are already zero
+                arr.fill(fill)
+            return arr
+        return np.memmap(file, dtype=dtype, mode="r+", shape=tuple(shape))
+
+    def write_config(self, config: dict) -> None:
+        """Written last: a named store without it is an unfinished creation."""
+        if self.path is not None:
+            tmp = self.path / (CONFIG_FILE + ".tmp")
+            tmp.write_text(json.dumps(config))
+            os.replace(tmp, self.path / CONFIG_FILE)
+
+    def read_config(self) -> dict:
+        return json.loads((self.path / CONFIG_FILE).read_text())

@@ -1,0 +1,343 @@
+"""EmbeddingStore: one capacity-bounded table of uint64 keys, the engine under every mode.
+
+The local trainer, the PS server and model-parallel shards all hold their rows in this class.
+It validates every input, owns the arrays (heap or named shared memory, see memory.py) and calls
+the numba kernels in kernels.py; no Python runs per ID. Calls are serialised by a lock so a PS
+server can use it from several threads; the kernels release the GIL, so different stores (tables,
+shards) run in parallel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from . import kernels as K
+from .memory import Arena, shared_exists, unlink_shared
+from .table import POOLING_MODES, TableConfig
+
+_MAGIC = 0x48524543  # "HREC"
+# scalars[*]
+S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED = 0, 1, 2, 3, 4
+SCALARS_WIDTH = 16
+LOAD_FACTOR = 0.5  # index slots per row = 1 / LOAD_FACTOR
+
+
+@dataclasses.dataclass
+class Lookup:
+    """The result of probing one batch of keys.
+
+    rows[i]: the row of keys[i] (-1: absent / not admitted, reads as zeros, gets no update);
+    inverse[i]: position of keys[i] among the unique rows (-1 likewise);
+    uniq_rows / uniq_keys: the batch's distinct rows and their keys, in first-seen order.
+    """
+
+    rows: np.ndarray
+    inverse: np.ndarray
+    uniq_rows: np.ndarray
+    uniq_keys: np.ndarray
+
+    @property
+    def num_unique(self) -> int:
+        return int(self.uniq_rows.shape[0])
+
+
+def check_keys(keys, name="keys") -> np.ndarray:
+    if not isinstance(keys, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy uint64 array, got {type(keys).__name__}")
+    if keys.dtype != np.uint64:
+        raise TypeError(f"{name}: dtype must be uint64 (any 64-bit key), got {keys.dtype}; convert with .astype(np.uint64)")
+    if keys.ndim != 1:
+        raise ValueError(f"{name}: must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)
+
+
+def check_grad(grad, rows, dim, name="grads") -> np.ndarray:
+    if not isinstance(grad, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy float32 array, got {type(grad).__name__}")
+    if grad.ndim != 2 or grad.shape != (rows, dim):
+        raise ValueError(f"{name}: shape must be ({rows}, {dim}), got {grad.shape}")
+    grad = np.ascontiguousarray(grad, dtype=np.float32)
+    if not K.all_finite(grad):
+        raise ValueError(f"{name}: contains NaN or inf; the update was refused and no row was changed")
+    return grad
+
+
+class EmbeddingStore:
+    """A table of embeddings for arbitrary uint64 keys with a fused sparse optimizer.
+
+    Build it from a `TableConfig` or from the same fields as keywords::
+
+        store = EmbeddingStore(dim=16, capacity=1_000_000, optimizer={"name": "adagrad", "lr": 0.05})
+        rows = store.pull(keys)            # float32 [n, 16]; inserts new keys
+        store.push(keys, grads)            # sums equal keys, applies Adagrad
+
+    Rows live in one array `[embedding | optimizer state | metadata]`; when all `capacity` rows
+    are used, the least recently (LRU) or least frequently (LFU) used row is evicted. A key's
+    first value depends only on (seed, key). With `shm_name` the arrays are named shared memory
+    that survives the process (`EmbeddingStore.attach(name)` maps them again).
+    """
+
+    def __init__(self, config: TableConfig | None = None, *, shm_name: str | None = None, **fields):
+        if config is None:
+            config = TableConfig(**fields)
+        elif fields:
+            config = dataclasses.replace(config, **fields)
+        self.config = config
+        self._lock = threading.RLock()
+        self._arena = Arena(shm_name, create=True)
+        self._allocate(create=True)
+        self._arena.write_config({"table": config.to_dict(), "magic": _MAGIC})
+
+    # ---------------------------------------------------------------- construction
+    def _allocate(self, create: bool) -> None:
+        cfg = self.config
+        nparts = cfg.num_threads
+        self.nparts = nparts
+        self.icfg, self.fcfg = cfg.kernel_config(nparts)
+        self.opt_code = cfg.optimizer.code
+        self.opt_params = cfg.optimizer.packed()
+        self.pool_mode = POOLING_MODES[cfg.pooling]
+        self.seed = np.uint64(cfg.seed)
+        a = self._arena
+        self.rows = a.array("rows", (cfg.capacity, cfg.row_width), np.float32, create=create)
+        self.r32 = self.rows.view(np.int32)
+        self.r64 = self.rows.view(np.uint64)
+        row_counts = np.full(nparts, cfg.capacity // nparts, dtype=np.int64)
+        row_counts[: cfg.capacity % nparts] += 1
+        slot_counts = np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
+        self.index = a.array("index", (int(slot_counts.sum()),), np.int32, fill=-1, create=create)
+        self.parts = a.array("parts", (nparts, K.PARTS_WIDTH), np.int64, create=create)
+        self.scalars = a.array("scalars", (SCALARS_WIDTH,), np.int64, create=create)
+        sketch_width = 1
+        if cfg.admit_min_frequency > 1:
+            sketch_width = 1 << max(10, int(np.ceil(np.log2(max(cfg.capacity, 2)))) - 1)
+        self.sketch = a.array("sketch", (2, sketch_width), np.uint16, create=create)
+        if create:
+            self.parts[:] = 0
+            self.parts[:, K.PT_ROW_START] = np.concatenate([[0], np.cumsum(row_counts)[:-1]])
+            self.parts[:, K.PT_ROW_COUNT] = row_counts
+            self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slot_counts)[:-1]])
+            self.parts[:, K.PT_SLOT_COUNT] = slot_counts
+            self.parts[:, K.PT_HEAD] = -1
+            self.parts[:, K.PT_TAIL] = -1
+            self.scalars[:] = 0
+            self.sketch[:] = 0
+            self.scalars[S_MAGIC] = _MAGIC
+        self._hashes = np.empty(0, np.uint64)
+
+    @classmethod
+    def attach(cls, shm_name: str) -> "EmbeddingStore":
+        """Map a named shared-memory store again, e.g. after its owning process was killed.
+
+        If that process died inside an update, the hash index and LRU lists are rebuilt from the
+        rows; every update that had completed is kept.
+        """
+        arena = Arena(shm_name, create=False)
+        saved = arena.read_config()
+        self = cls.__new__(cls)
+        self.config = TableConfig.from_dict(saved["table"])
+        self._lock = threading.RLock()
+        self._arena = arena
+        self._allocate(create=False)
+        if self.scalars[S_MAGIC] != _MAGIC:
+            raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
+        if self.scalars[S_DIRTY]:
+            self._repair()
+        return self
+
+    @classmethod
+    def open_shared(cls, shm_name: str, config: TableConfig | None = None, **fields) -> "EmbeddingStore":
+        """Attach to `shm_name` if it exists (its table config must match), else create it."""
+        if shared_exists(shm_name):
+            store = cls.attach(shm_name)
+            want = config if config is not None else TableConfig(**fields)
+            if want != store.config:
+                raise ValueError(
+                    f"shm_name: store {shm_name!r} exists with a different table config: "
+                    f"existing {store.config.to_dict()}, requested {want.to_dict()}"
+                )
+            return store
+        return cls(config, shm_name=shm_name, **fields)
+
+    unlink_shared = staticmethod(unlink_shared)
+
+    def _repair(self) -> None:
+        bad = K.rebuild_index(self.r64, self.index, self.parts, self.config.meta_offset)
+        if bad >= 0:
+            raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
+        if self.config.eviction == "lru":
+            meta = self.config.meta_offset
+            for p in range(self.nparts):
+                start, size = int(self.parts[p, K.PT_ROW_START]), int(self.parts[p, K.PT_SIZE])
+                live = np.arange(start, start + size, dtype=np.int64)
+                order = live[np.argsort(self.r32[start:start + size, meta + K.M_STAMP], kind="stable")]
+                K.relink_lru(self.r32, meta, self.parts, p, order)
+        self.scalars[S_DIRTY] = 0
+
+    # ---------------------------------------------------------------- core operations
+    def _probe(self, keys: np.ndarray, mode: int) -> Lookup:
+        n = keys.shape[0]
+        out_rows = np.empty(n, np.int32)
+        inverse = np.empty(n, np.int32)
+        uniq = np.empty(n, np.int32)
+        self.scalars[S_EPOCH] += 1
+        if self.scalars[S_EPOCH] >= 2**31 - 1:  # stamps are int32: restart the epoch count
+            self.r32[:, self.config.meta_offset + K.M_STAMP] = 0
+            self.scalars[S_EPOCH] = 1
+        epoch = int(self.scalars[S_EPOCH])
+        hashes = np.empty(n, np.uint64)
+        part_of = np.empty(n if self.nparts > 1 else 0, np.int64)
+        if self.nparts == 1:
+            K.compute_partitions(keys, 1, hashes, part_of)
+            self.scalars[S_DIRTY] = 1
+            nuniq, err = K.lookup_serial(keys, hashes, self.rows, self.r32, self.r64, self.index, self.parts,
+                                         self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode,
+                                         out_rows, inverse, uniq)
+            self.scalars[S_DIRTY] = 0
+        else:
+            K.compute_partitions(keys, self.nparts, hashes, part_of)
+            order = np.empty(n, np.int64)
+            starts = np.empty(self.nparts + 1, np.int64)
+            K.order_by_partition(part_of, self.nparts, order, starts)
+            counts = np.zeros(self.nparts, np.int64)
+            errors = np.zeros(self.nparts, np.int64)
+            self.scalars[S_DIRTY] = 1
+            K.lookup_parallel(keys, hashes, order, starts, self.rows, self.r32, self.r64, self.index, self.parts,
+                              self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode, out_rows, inverse,
+                              uniq, counts, errors)
+            self.scalars[S_DIRTY] = 0
+            err = int(errors.max())
+            nuniq = K.compact_unique(starts, counts, part_of, uniq, inverse)
+        if err == K.ERR_FULL:
+            raise ValueError(
+                f"keys: the batch has more distinct keys than the store can hold at once "
+                f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise capacity or "
+                f"split the batch"
+            )
+        uniq = uniq[:nuniq]
+        return Lookup(out_rows, inverse, uniq, self.r64[uniq, self.config.meta_offset // 2].copy())
+
+    def lookup(self, keys: np.ndarray, insert: bool = True) -> Lookup:
+        """Probe a batch of keys; with `insert`, new keys are admitted (by policy) and initialised."""
+        keys = check_keys(keys)
+        with self._lock:
+            return self._probe(keys, K.MODE_TRAIN if insert else K.MODE_FIND)
+
+    def apply(self, lookup: Lookup, grad_unique: np.ndarray) -> int:
+        """One optimizer step with the summed gradient of each unique row of `lookup`.
+
+        Rows evicted since the lookup are skipped; the number skipped is returned and counted in
+        `stats()["dropped_updates"]`. A gradient with NaN/inf is refused before any row changes.
+        """
+        grad_unique = check_grad(grad_unique, lookup.num_unique, self.config.dim, "grad_unique")
+        with self._lock:
+            self.scalars[S_STEP] += 1
+            self.scalars[S_DIRTY] = 1
+            skipped = K.apply_updates(self.rows, self.r32, self.r64, lookup.uniq_rows, lookup.uniq_keys,
+                                      grad_unique, self.icfg, self.fcfg, self.opt_code, self.opt_params,
+                                      int(self.scalars[S_STEP]))
+            self.scalars[S_DIRTY] = 0
+            self.scalars[S_DROPPED] += skipped
+            return int(skipped)
+
+    def pull(self, keys: np.ndarray, insert: bool = True) -> np.ndarray:
+        """float32 [n, dim] rows of `keys` (absent or not-admitted keys read as zeros)."""
+        keys = check_keys(keys)
+        with self._lock:
+            found = self._probe(keys, K.MODE_TRAIN if insert else K.MODE_FIND)
+            out = np.empty((keys.shape[0], self.config.dim), np.float32)
+            K.gather_rows(self.rows, found.rows, out)
+        return out
+
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> int:
+        """Apply gradients given per key (equal keys are summed first); absent keys are skipped.
+
+        Returns the number of distinct keys whose update was dropped because they are not in the
+        store (evicted since they were pulled, or never admitted).
+        """
+        keys = check_keys(keys)
+        grads = check_grad(grads, keys.shape[0], self.config.dim, "grads")
+        with self._lock:
+            found = self._probe(keys, K.MODE_FIND)
+            ugrad = np.zeros((found.num_unique, self.config.dim), np.float32)
+            K.scatter_rows_grad(grads, found.inverse, ugrad)
+            missing = int(np.unique(keys[found.rows < 0]).shape[0])
+            return self.apply(found, ugrad) + missing
+
+    # ---------------------------------------------------------------- pooled forward / backward
+    def pool(self, lookup: Lookup, offsets: np.ndarray, out: np.ndarray, mode: int | None = None) -> None:
+        """out[b] = pooled rows of lookup.rows[offsets[b]:offsets[b+1]] (the table's pooling mode)."""
+        K.gather_pool(self.rows, lookup.rows, offsets, self.pool_mode if mode is None else mode, out)
+
+    def pooled_grad(self, lookup: Lookup, offsets: np.ndarray, grad: np.ndarray, ugrad: np.ndarray,
+                    mode: int | None = None) -> None:
+        """Add the gradient of pooled outputs into ugrad [num_unique, dim] (transpose of `pool`)."""
+        K.scatter_pooled_grad(grad, lookup.inverse, offsets, self.pool_mode if mode is None else mode, ugrad)
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, directory, extra: dict | None = None):
+        """Write a consistent checkpoint (see checkpoint.py); returns its path."""
+        from .checkpoint import save
+
+        return save(self, directory, extra)
+
+    @classmethod
+    def load(cls, directory, shm_name: str | None = None, **overrides) -> "EmbeddingStore":
+        """A new store from a checkpoint; the checksums are verified first."""
+        from .checkpoint import load
+
+        return load(directory, shm_name=shm_name, **overrides)
+
+    # ---------------------------------------------------------------- introspection
+    def __len__(self) -> int:
+        return int(self.parts[:, K.PT_SIZE].sum())
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def step(self) -> int:
+        return int(self.scalars[S_STEP])
+
+    @property
+    def shm_name(self) -> str | None:
+        return self._arena.name
+
+    def live_rows(self) -> np.ndarray:
+        """Row numbers in use, partition by partition."""
+        return np.concatenate([
+            np.arange(self.parts[p, K.PT_ROW_START], self.parts[p, K.PT_ROW_START] + self.parts[p, K.PT_SIZE])
+            for p in range(self.nparts)
+        ]).astype(np.int64)
+
+    def keys(self) -> np.ndarray:
+        return self.r64[self.live_rows(), self.config.meta_offset // 2].copy()
+
+    def memory_bytes(self) -> int:
+        return int(self.rows.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
+
+    def stats(self) -> dict:
+        p = self.parts
+        return {
+            "size": len(self),
+            "capacity": self.config.capacity,
+            "dim": self.config.dim,
+            "optimizer": self.config.optimizer.name,
+            "step": self.step,
+            "inserted": int(p[:, K.PT_INSERTED].sum()),
+            "evicted": int(p[:, K.PT_EVICTED].sum()),
+            "rejected": int(p[:, K.PT_REJECTED].sum()),
+            "dropped_updates": int(self.scalars[S_DROPPED]),
+            "memory_bytes": self.memory_bytes(),
+            "bytes_per_row": self.memory_bytes() / self.config.capacity,
+            "shm_name": self._arena.name,
+        }
+
+    def close(self) -> None:
+        """Flush and unmap shared memory (the named store stays for a later attach)."""
+        for arr in (self.rows, self.index, self.parts, self.scalars, self.sketch):
+            if isinstance(arr, np.memmap):
+                arr.flush()
