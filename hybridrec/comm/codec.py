@@ -226,8 +226,8 @@ class RawValueCodec:
 
     name = "none"
 
-    def encode(self, rows: np.ndarray) -> Encoded:
-        return Encoded(self.name, {"values": _check_rows(rows, "rows")})
+    def encode(self, rows: np.ndarray, argument: str = "rows") -> Encoded:
+        return Encoded(self.name, {"values": _check_rows(rows, argument)})
 
     def decode(self, encoded: Encoded) -> np.ndarray:
         _expect_codec(encoded, self.name)

@@ -1,1 +1,18 @@
-"""hybridrec.ps"""
+"""hybridrec.ps: the embedding parameter server (one process per shard) and its client.
+
+Server names are imported lazily so `python -m hybridrec.ps.server` runs the module once.
+"""
+
+from hybridrec.ps.client import PSClient, shard_directory, table_route_id
+
+_SERVER_NAMES = ("EmbeddingServer", "open_stores", "serve")
+
+
+def __getattr__(name: str):
+    if name in _SERVER_NAMES:
+        from hybridrec.ps import server
+        return getattr(server, name)
+    raise AttributeError(f"module 'hybridrec.ps' has no attribute {name!r}")
+
+
+__all__ = ["PSClient", "shard_directory", "table_route_id", *_SERVER_NAMES]

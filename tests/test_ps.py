@@ -1,0 +1,176 @@
+"""Embedding PS: lookup/push across server processes, codecs, bad requests, kill -9 + restart."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hybridrec.comm.transport import Client, RemoteError
+from hybridrec.embedding import EmbeddingStore, TableConfig
+from hybridrec.ps import PSClient, serve
+
+TABLES = {"user": {"dim": 8, "capacity": 20_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3},
+          "item": {"dim": 4, "capacity": 1_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
+TABLE_ARGS = ["--table", "user:8:20000", "--table", "item:4:1000", "--optimizer", "sgd",
+              "--lr", "0.5", "--seed", "3"]
+STARTUP_SECONDS = 120  # a cold numba cache compiles the store kernels on first start
+
+
+def start_server_process(shm_dir, *extra):
+    """A `python -m hybridrec.ps.server` process on a free port and its address."""
+    env = {**os.environ, "HYBRIDREC_SHM_DIR": str(shm_dir)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hybridrec.ps.server", "--port", "0", *TABLE_ARGS, *extra],
+        stdout=subprocess.PIPE, env=env, text=True,
+    )
+    ready, _, _ = select.select([process.stdout], [], [], STARTUP_SECONDS)
+    line = process.stdout.readline() if ready else ""
+    if "listening on" not in line:
+        process.kill()
+        process.wait(10)
+        pytest.fail(f"PS server did not start: {line!r}")
+    return process, line.split("listening on ")[1].split()[0]
+
+
+def stop_process(process):
+    if process.poll() is None:
+        process.kill()
+    process.wait(10)
+
+
+@pytest.fixture
+def two_servers(tmp_path):
+    processes = []
+    try:
+        for _ in range(2):
+            processes.append(start_server_process(tmp_path))
+        yield [address for _, address in processes]
+    finally:
+        for process, _ in processes:
+            stop_process(process)
+
+
+@pytest.fixture
+def local_server():
+    server = serve(tables=TABLES, block=False)
+    try:
+        yield server
+    finally:
+        assert server.stop(timeout=5)
+
+
+def zipf_keys(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.zipf(1.2, size=n).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+
+
+def test_lookup_and_push_across_two_server_processes_match_one_local_store(two_servers):
+    reference = EmbeddingStore(TableConfig.from_dict(TABLES["user"]))
+    keys = zipf_keys(3000, seed=0)
+    grads = np.random.default_rng(1).standard_normal((len(keys), 8)).astype(np.float32)
+    with PSClient(two_servers, timeout=30) as client:
+        rows = client.lookup("user", keys)
+        np.testing.assert_array_equal(rows, reference.pull(keys))  # same init on every shard
+        assert client.push("user", keys, grads) == 0
+        reference.push(keys, grads)
+        np.testing.assert_allclose(client.lookup("user", keys, insert=False),
+                                   reference.pull(keys, insert=False), rtol=1e-5, atol=1e-6)
+        sizes = [shard["tables"]["user"]["size"] for shard in client.stats()]
+    assert all(size > 0 for size in sizes), sizes  # the keys were spread over both shards
+    assert sum(sizes) == len(np.unique(keys))
+
+
+def test_fp16_codec_rows_stay_within_the_fp16_bound(local_server):
+    keys = zipf_keys(500, seed=2)
+    with PSClient([local_server.address], value_codec="none") as exact, \
+            PSClient([local_server.address], value_codec="fp16") as compressed:
+        rows = exact.lookup("user", keys)
+        approx = compressed.lookup("user", keys, insert=False)
+        assert compressed.push("user", keys, np.ones((len(keys), 8), np.float32)) == 0
+        updated = exact.lookup("user", keys, insert=False)
+    norms = np.abs(rows).max(axis=1, keepdims=True)
+    assert np.all(np.abs(approx - rows) <= norms * 2.0**-10)
+    assert np.all(updated < rows)  # the fp16 gradients arrived and were applied
+
+
+def test_lookup_of_absent_keys_without_insert_reads_zeros_and_stores_nothing(local_server):
+    with PSClient([local_server.address]) as client:
+        rows = client.lookup("item", np.array([11, 12, 11], np.uint64), insert=False)
+        assert rows.shape == (3, 4) and not rows.any()
+        assert client.stats()[0]["tables"]["item"]["size"] == 0
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(local_server):
+    with Client(local_server.address, timeout=10) as raw:
+        with pytest.raises(RemoteError, match="'nope'.*item.*user"):
+            raw.request("lookup", {"keys": np.array([1], np.uint64)}, {"table": "nope"})
+        with pytest.raises(RemoteError, match=r"grads.*\(2, 8\)"):
+            raw.request("push", {"keys": np.array([1, 2], np.uint64),
+                                 "values": np.ones((2, 3), np.float32)}, {"table": "user"})
+        with pytest.raises(RemoteError, match="value codec"):
+            raw.request("lookup", {"keys": np.array([1], np.uint64)},
+                        {"table": "user", "codec": "zip"})
+    with PSClient([local_server.address]) as client:
+        with pytest.raises(ValueError, match="NaN"):
+            client.push("user", np.array([1], np.uint64), np.full((1, 8), np.nan, np.float32))
+        with pytest.raises(TypeError, match="uint64"):
+            client.lookup("user", np.array([1, 2], np.int64))
+        assert client.lookup("user", np.array([1], np.uint64)).shape == (1, 8)
+
+
+def test_shutdown_request_stops_the_server(local_server):
+    with PSClient([local_server.address]) as client:
+        client.shutdown()
+    assert local_server.wait(timeout=10)
+
+
+def test_killed_shared_memory_server_restarts_with_every_acknowledged_update(tmp_path):
+    keys = zipf_keys(2000, seed=4)
+    rng = np.random.default_rng(5)
+    process, address = start_server_process(tmp_path, "--shm-name", "ps-test")
+    try:
+        with PSClient([address], timeout=30) as client:
+            client.lookup("user", keys)
+            for _ in range(3):
+                client.push("user", keys, rng.standard_normal((len(keys), 8)).astype(np.float32))
+            acknowledged = client.lookup("user", keys, insert=False)
+            step = client.stats()[0]["tables"]["user"]["step"]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        process, address = start_server_process(tmp_path, "--shm-name", "ps-test")
+        with PSClient([address], timeout=30) as client:
+            np.testing.assert_array_equal(client.lookup("user", keys, insert=False), acknowledged)
+            assert client.stats()[0]["tables"]["user"]["step"] == step
+    finally:
+        stop_process(process)
+
+
+def test_bad_client_and_server_arguments_are_rejected():
+    with pytest.raises(ValueError, match="addresses"):
+        PSClient("tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="value codec"):
+        PSClient(["tcp://127.0.0.1:1"], value_codec="bf17")
+    with pytest.raises(ValueError, match="tables"):
+        serve(tables={}, block=False)
+    with pytest.raises(TypeError, match="tables\\['user'\\]"):
+        serve(tables={"user": 16}, block=False)
+
+
+def test_checkpoint_then_load_restores_the_rows_of_the_checkpoint(local_server, tmp_path):
+    keys = zipf_keys(1000, seed=6)
+    grads = np.ones((len(keys), 8), np.float32)
+    with PSClient([local_server.address]) as client:
+        client.lookup("user", keys)
+        client.push("user", keys, grads)
+        saved = client.lookup("user", keys, insert=False)
+        client.checkpoint(tmp_path / "ckpt")
+        client.push("user", keys, grads)
+        assert not np.array_equal(client.lookup("user", keys, insert=False), saved)
+        with pytest.raises(RemoteError, match="no checkpoint of tables"):
+            client.load(tmp_path / "elsewhere")
+        client.load(tmp_path / "ckpt")
+        np.testing.assert_array_equal(client.lookup("user", keys, insert=False), saved)
