@@ -115,44 +115,42 @@ def hash_string_column(data, offsets, valid, field):
 
 
 @njit(cache=True, nogil=True)
+def _read_sign(buf, i, end):
+    """Skips an optional '+' or '-' at buf[i] -> (next index, negative)."""
+    if i < end and (buf[i] == 45 or buf[i] == 43):
+        return i + 1, buf[i] == 45
+    return i, False
+
+
+@njit(cache=True, nogil=True)
+def _read_digits(buf, i, end, accumulated):
+    """Appends the decimal digits from buf[i] to `accumulated` -> (next index, value, count)."""
+    count = 0
+    while i < end and 48 <= buf[i] <= 57:
+        accumulated = accumulated * 10.0 + (buf[i] - 48)
+        count += 1
+        i += 1
+    return i, accumulated, count
+
+
+@njit(cache=True, nogil=True)
 def parse_number(buf, start, end):
     """Parses a decimal number ([sign] digits [. digits] [e[sign]digits]) -> (ok, value)."""
-    i = start
-    negative = False
-    if i < end and (buf[i] == 45 or buf[i] == 43):  # '-' or '+'
-        negative = buf[i] == 45
-        i += 1
-    mantissa = 0.0
-    exponent = 0
-    digits = 0
-    while i < end and 48 <= buf[i] <= 57:
-        mantissa = mantissa * 10.0 + (buf[i] - 48)
-        digits += 1
-        i += 1
+    i, negative = _read_sign(buf, start, end)
+    i, mantissa, integer_digits = _read_digits(buf, i, end, 0.0)
+    fraction_digits = 0
     if i < end and buf[i] == 46:  # '.'
-        i += 1
-        while i < end and 48 <= buf[i] <= 57:
-            mantissa = mantissa * 10.0 + (buf[i] - 48)
-            exponent -= 1
-            digits += 1
-            i += 1
-    if digits == 0:
+        i, mantissa, fraction_digits = _read_digits(buf, i + 1, end, mantissa)
+    if integer_digits + fraction_digits == 0:
         return False, 0.0
+    exponent = -fraction_digits
     if i < end and (buf[i] == 101 or buf[i] == 69):  # 'e' or 'E'
-        i += 1
-        exponent_negative = False
-        if i < end and (buf[i] == 45 or buf[i] == 43):
-            exponent_negative = buf[i] == 45
-            i += 1
-        exponent_digits = 0
-        written = 0
-        while i < end and 48 <= buf[i] <= 57:
-            written = written * 10 + (buf[i] - 48)
-            exponent_digits += 1
-            i += 1
+        i, exponent_negative = _read_sign(buf, i + 1, end)
+        i, written, exponent_digits = _read_digits(buf, i, end, 0.0)
         if exponent_digits == 0:
             return False, 0.0
-        exponent += -written if exponent_negative else written
+        written = min(written, 400.0)  # beyond float64's range either way
+        exponent += -int(written) if exponent_negative else int(written)
     if i != end:
         return False, 0.0
     if exponent < 0:

@@ -209,32 +209,35 @@ def planted_probabilities(batch: Batch, config: SyntheticConfig, seed: int) -> n
     return 1.0 / (1.0 + np.exp(-planted_logits(batch, config, seed)))
 
 
+@dataclass
 class SyntheticReader:
-    """Batches of synthetic rows first_row .. first_row+rows-1 (see the module docstring)."""
+    """Batches of synthetic rows first_row .. first_row+rows-1 (see the module docstring).
+    `config` is a SyntheticConfig or a preset name ("criteo-like")."""
 
-    def __init__(self, config: SyntheticConfig | str = CRITEO_LIKE, rows: int = 100_000,
-                 batch_size: int = 4096, *, seed: int = 0, first_row: int = 0, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = False) -> None:
-        if isinstance(config, str):
-            if config not in PRESETS:
+    config: SyntheticConfig | str = CRITEO_LIKE
+    rows: int = 100_000
+    batch_size: int = 4096
+    _: dataclasses.KW_ONLY
+    seed: int = 0
+    first_row: int = 0
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.config, str):
+            if self.config not in PRESETS:
                 raise ValueError(f"config preset must be one of {sorted(PRESETS)}, got "
-                                 f"{config!r}")
-            config = PRESETS[config]
-        if not isinstance(config, SyntheticConfig):
+                                 f"{self.config!r}")
+            self.config = PRESETS[self.config]
+        if not isinstance(self.config, SyntheticConfig):
             raise TypeError(f"config must be a SyntheticConfig or preset name, got "
-                            f"{type(config).__name__}")
-        check_sharding(batch_size, rank, world_size)
-        for name, value in (("rows", rows), ("first_row", first_row), ("seed", seed)):
+                            f"{type(self.config).__name__}")
+        check_sharding(self.batch_size, self.rank, self.world_size)
+        for name in ("rows", "first_row", "seed"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self.config = config
-        self.rows = rows
-        self.batch_size = batch_size
-        self.seed = seed
-        self.first_row = first_row
-        self.rank = rank
-        self.world_size = world_size
-        self.drop_last = drop_last
 
     def count_rows(self) -> int:
         return self.rows
