@@ -1,0 +1,1 @@
+"""Benchmarks that compare hybridrec with torch.nn.EmbeddingBag and TorchRec in one run."""
