@@ -1,0 +1,82 @@
+"""Build a model by name, and list each model's hyper-parameters for config validation.
+
+    build_model("dlrm", num_sparse=26, embedding_dim=16, num_dense=13, top_mlp=[512, 256])
+    model_hparams("dcn")  # {"cross_layers": 3, "structure": "parallel", ...}
+
+The hyper-parameters are read from the model constructors' keyword-only arguments (plus
+the `TaskHead` options for models that forward them), so the constructor signatures are
+the one place where names and defaults are written down.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+from hybridrec.models.base import CTRModel
+from hybridrec.models.dcn import DCN
+from hybridrec.models.deepfm import DeepFM
+from hybridrec.models.dlrm import DLRM
+from hybridrec.models.fm import FactorizationMachine
+from hybridrec.models.lr import LogisticRegression
+from hybridrec.models.multitask import TaskHead
+from hybridrec.models.wide_deep import WideAndDeep
+
+MODELS: dict[str, type[CTRModel]] = {
+    "lr": LogisticRegression,
+    "fm": FactorizationMachine,
+    "wide_deep": WideAndDeep,
+    "deepfm": DeepFM,
+    "dcn": DCN,
+    "dlrm": DLRM,
+}
+
+# Arguments of TaskHead that the model sets itself rather than taking from the user.
+_HEAD_ARGS_SET_BY_MODEL = {"dropout"}
+
+
+def _keyword_defaults(function: Any) -> dict[str, Any]:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _did_you_mean(value: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(value, allowed, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def model_class(name: str) -> type[CTRModel]:
+    """The model class registered under `name`; ValueError naming the closest name otherwise."""
+    if not isinstance(name, str) or name not in MODELS:
+        names = sorted(MODELS)
+        hint = _did_you_mean(name, names) if isinstance(name, str) else ""
+        raise ValueError(f"unknown model name {name!r}; {hint}valid names: {names}")
+    return MODELS[name]
+
+
+def model_hparams(name: str) -> dict[str, Any]:
+    """Every hyper-parameter model `name` accepts, mapped to its default value."""
+    cls = model_class(name)
+    hparams = _keyword_defaults(cls.__init__)
+    takes_head_options = any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values()
+    )
+    if takes_head_options:
+        head_defaults = _keyword_defaults(TaskHead.__init__)
+        hparams.update({k: v for k, v in head_defaults.items() if k not in _HEAD_ARGS_SET_BY_MODEL})
+    return hparams
+
+
+def build_model(
+    name: str, num_sparse: int, embedding_dim: int, num_dense: int, num_tasks: int = 1, **hparams: Any
+) -> CTRModel:
+    """Construct model `name`; unknown hyper-parameters raise ValueError naming the closest valid one."""
+    accepted = model_hparams(name)
+    for key in hparams:
+        if key not in accepted:
+            hint = _did_you_mean(key, list(accepted))
+            raise ValueError(
+                f"unknown hyper-parameter {key!r} for model {name!r}; {hint}accepted: {sorted(accepted)}"
+            )
+    return model_class(name)(num_sparse, embedding_dim, num_dense, num_tasks, **hparams)
