@@ -31,7 +31,7 @@ MANIFEST = "manifest.json"
 
 
 def _crc(arr: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B")) & 0xFFFFFFFF
+    return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
 
 
 def save(store: EmbeddingStore, directory, extra: dict | None = None) -> Path:

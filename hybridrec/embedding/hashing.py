@@ -69,7 +69,7 @@ def route(keys, table_id, num_shards):
         raise TypeError(f"route: keys must be uint64, got {keys.dtype}")
     if not 1 <= int(num_shards) < 2**31:
         raise ValueError(f"route: num_shards must be in [1, 2**31), got {num_shards}")
-    salt = mix64(ROUTE_SALT + np.uint64(int(table_id) & 0xFFFFFFFFFFFFFFFF) * U64_GOLDEN)
+    salt = mix64(np.uint64((int(ROUTE_SALT) + int(table_id) * int(U64_GOLDEN)) % 2**64))
     out = np.empty(keys.shape[0], dtype=np.int64)
     _route_kernel(keys, salt, int(num_shards), out)
     return out

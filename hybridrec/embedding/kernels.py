@@ -424,6 +424,11 @@ def all_finite(x):
 
 # ---------------------------------------------------------------- fused optimizer updates
 
+@njit(inline="always")
+def _f32(x):
+    return np.float64(np.float32(x))
+
+
 @njit(cache=True, nogil=True)
 def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, params, step):
     """Apply one optimizer step to each unique row whose key is still the one looked up.
@@ -452,39 +457,37 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
             skipped += 1
             continue
         for d in range(dim):
+            # float32 rounding at the points where torch materialises a float32 tensor
             w = np.float64(rows[r, d])
-            g = np.float64(ugrad[u, d]) + wd * w
+            g = _f32(np.float64(ugrad[u, d]) + wd * w)
             if opt == OPT_SGD:
                 if a > 0.0:
-                    buf = a * rows[r, dim + d] + g
+                    buf = _f32(a * rows[r, dim + d] + g)
                     rows[r, dim + d] = buf
-                    g = g + a * buf if b > 0.0 else buf
+                    g = _f32(g + a * buf) if b > 0.0 else buf
                 w = w - lr * g
             elif opt == OPT_ADAGRAD:
-                acc = rows[r, dim + d] + g * g
+                acc = _f32(rows[r, dim + d] + g * g)
                 rows[r, dim + d] = acc
-                w = w - lr * g / (np.sqrt(np.float64(np.float32(acc))) + a)
+                w = w - lr * g / _f32(np.sqrt(acc) + a)
             elif opt == OPT_ADAM:
-                m = a * rows[r, dim + d] + (1.0 - a) * g
-                v = b * rows[r, dim + dim + d] + (1.0 - b) * g * g
+                m = _f32(a * rows[r, dim + d] + (1.0 - a) * g)
+                v = _f32(b * rows[r, dim + dim + d] + (1.0 - b) * g * g)
                 rows[r, dim + d] = m
                 rows[r, dim + dim + d] = v
-                m = np.float64(np.float32(m))
-                v = np.float64(np.float32(v))
-                w = w - adam_step * m / (np.sqrt(v) + c)
+                w = w - adam_step * m / _f32(np.sqrt(v) + c)
             else:  # FTRL-Proximal: state z at dim+d, n at 2*dim+d; a=l1, b=l2, c=beta
                 n_old = np.float64(rows[r, dim + dim + d])
-                n_new = n_old + g * g
+                n_new = _f32(n_old + g * g)
                 sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / lr
-                z = np.float64(rows[r, dim + d]) + g - sigma * w
+                z = _f32(rows[r, dim + d] + g - sigma * w)
                 rows[r, dim + d] = z
                 rows[r, dim + dim + d] = n_new
-                z = np.float64(np.float32(z))
                 if abs(z) <= a:
                     w = 0.0
                 else:
                     sign = 1.0 if z > 0 else -1.0
-                    w = -(z - sign * a) / ((c + np.sqrt(np.float64(np.float32(n_new)))) / lr + b)
+                    w = -(z - sign * a) / ((c + np.sqrt(n_new)) / lr + b)
             if w > bound:
                 w = bound
             elif w < -bound:

@@ -316,6 +316,22 @@ class EmbeddingStore:
     def keys(self) -> np.ndarray:
         return self.r64[self.live_rows(), self.config.meta_offset // 2].copy()
 
+    def export(self) -> dict:
+        """Copies of every live row: keys, weights [n, dim], optimizer state [n, state], access
+        counts and clocks (update counts), in row order."""
+        cfg = self.config
+        with self._lock:
+            live = self.live_rows()
+            rows = self.rows[live]
+        meta = cfg.meta_offset
+        return {
+            "keys": rows.view(np.uint64)[:, meta // 2].copy(),
+            "weights": rows[:, :cfg.dim].copy(),
+            "state": rows[:, cfg.dim:cfg.dim + cfg.state_width].copy(),
+            "counts": rows.view(np.int32)[:, meta + K.M_COUNT].copy(),
+            "clocks": rows.view(np.int32)[:, meta + K.M_CLOCK].copy(),
+        }
+
     def memory_bytes(self) -> int:
         return int(self.rows.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 

@@ -1,0 +1,106 @@
+"""EmbeddingCollection: pooled outputs equal the stores' rows, backward applies the fused
+optimizer (once per row when features share a table), eval reads only, bad batches are refused."""
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.data.batch import JaggedFeatures
+from hybridrec.embedding import EmbeddingStore, TableConfig
+from hybridrec.embedding.collection import EmbeddingCollection
+
+SGD = {"name": "sgd", "lr": 1.0}
+
+
+def _features(names, per_feature_lists):
+    """per_feature_lists[f][b] = list of IDs of feature f for sample b."""
+    values, offsets = [], [0]
+    for lists in per_feature_lists:
+        for ids in lists:
+            values.extend(ids)
+            offsets.append(offsets[-1] + len(ids))
+    return JaggedFeatures(list(names), np.array(values, dtype=np.uint64), np.array(offsets, dtype=np.int64))
+
+
+@pytest.mark.parametrize("pooling, scale", [("sum", lambda n: 1.0), ("mean", lambda n: 1.0 / n),
+                                            ("sqrtn", lambda n: 1.0 / np.sqrt(n))])
+def test_pooled_output_and_gradient_match_the_store(pooling, scale):
+    coll = EmbeddingCollection({"t": TableConfig(dim=3, capacity=50, optimizer=SGD, pooling=pooling)}, {"f": "t"})
+    batch = _features(["f"], [[[1, 2, 2], [3], []]])
+    reference = EmbeddingStore(dim=3, capacity=50, optimizer=SGD)
+    rows = reference.pull(np.array([1, 2, 3], np.uint64))
+    out = coll(batch)["f"]
+    expected = np.stack([scale(3) * (rows[0] + 2 * rows[1]), rows[2], np.zeros(3)])
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-6, atol=1e-7)
+    weights = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    (out * weights).sum().backward()
+    s = scale(3)
+    after = coll.stores["t"].pull(np.array([1, 2, 3], np.uint64), insert=False)
+    np.testing.assert_allclose(after, rows - np.stack([s * weights[0].numpy(), 2 * s * weights[0].numpy(),
+                                                       weights[1].numpy()]), rtol=1e-6, atol=1e-6)
+
+
+def test_features_sharing_a_table_get_one_update_with_summed_gradient():
+    coll = EmbeddingCollection({"shared": TableConfig(dim=2, capacity=20, optimizer={"name": "adagrad", "lr": 0.1})},
+                               {"a": "shared", "b": "shared"})
+    batch = _features(["a", "b"], [[[7], [8]], [[7], [9]]])
+    before = EmbeddingStore(dim=2, capacity=20).pull(np.array([7], np.uint64))  # same seed, same start
+    out = coll.forward_stacked(batch)
+    assert out.shape == (2, 2, 2)
+    np.testing.assert_array_equal(out[0, 0].detach(), out[0, 1].detach())
+    out.sum().backward()
+    store = coll.stores["shared"]
+    assert store.step == 1
+    e = store.export()
+    assert dict(zip(e["keys"].tolist(), e["clocks"].tolist())) == {7: 1, 8: 1, 9: 1}
+    # Adagrad with summed gradient 2 per coordinate: w -= 0.1 * 2 / sqrt(4)
+    np.testing.assert_allclose(store.pull(np.array([7], np.uint64), insert=False), before - 0.1, atol=1e-7)
+
+
+def test_eval_mode_reads_only():
+    coll = EmbeddingCollection({"f": TableConfig(dim=2, capacity=10)})
+    batch = _features(["f"], [[[1], [2]]])
+    coll.eval()
+    out = coll(batch)["f"]
+    assert (out == 0).all() and len(coll.stores["f"]) == 0
+    coll.train()
+    with torch.no_grad():
+        coll(batch)
+    assert len(coll.stores["f"]) == 0
+    coll(batch)["f"].sum().backward()
+    assert len(coll.stores["f"]) == 2 and coll.stores["f"].step == 1
+
+
+def test_a_small_model_learns_through_the_collection():
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    coll = EmbeddingCollection({"f": TableConfig(dim=4, capacity=1000, optimizer={"name": "adagrad", "lr": 0.1})})
+    head = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    truth = {k: float(rng.integers(0, 2)) for k in range(50)}
+    losses = []
+    for _ in range(150):
+        ids = rng.integers(0, 50, size=64)
+        batch = _features(["f"], [[[int(i)] for i in ids]])
+        y = torch.tensor([truth[int(i)] for i in ids]).unsqueeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(head(coll(batch)["f"]), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+
+
+def test_bad_batches_are_refused_with_the_argument_named():
+    coll = EmbeddingCollection({"f": TableConfig(dim=2, capacity=10)})
+    good = _features(["f"], [[[1], [2]]])
+    with pytest.raises(TypeError, match="dtype must be uint64"):
+        coll(JaggedFeatures(["f"], good.values.astype(np.int64), good.offsets))
+    with pytest.raises(ValueError, match="must start at 0 and end at len\\(values\\)=2"):
+        coll(JaggedFeatures(["f"], good.values, np.array([0, 1, 3], np.int64)))
+    with pytest.raises(ValueError, match="decrease"):
+        coll(JaggedFeatures(["f"], good.values, np.array([0, 2, 1, 2], np.int64)))
+    with pytest.raises(ValueError, match="no feature 'f'"):
+        coll(JaggedFeatures(["g"], good.values, good.offsets))
+    with pytest.raises(ValueError, match="unknown table 'nope'"):
+        EmbeddingCollection({"f": TableConfig(dim=2, capacity=10)}, {"f": "nope"})
+    assert len(coll.stores["f"]) == 0

@@ -1,0 +1,125 @@
+"""Named shared-memory stores survive `kill -9` of their owning process: a new process reattaches
+and has every update that completed before the kill."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pytest
+
+from hybridrec.embedding import EmbeddingStore, unlink_shared
+
+BATCHES = textwrap.dedent("""
+    import numpy as np
+    def batch(step):
+        rng = np.random.default_rng(step)
+        keys = rng.integers(0, 500, size=128).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        return keys, rng.normal(size=(128, 4)).astype(np.float32)
+    CONFIG = dict(dim=4, capacity=1000, optimizer="adagrad", num_threads=2)
+""")
+
+CHILD = BATCHES + textwrap.dedent("""
+    import sys, time
+    from hybridrec.embedding import EmbeddingStore
+    name, steps = sys.argv[1], int(sys.argv[2])
+    store = EmbeddingStore.open_shared(name, **CONFIG)
+    step = store.step
+    while steps < 0 or step < steps:
+        keys, grads = batch(step)
+        store.pull(keys)
+        store.push(keys, grads)
+        step += 1
+        print(step, flush=True)
+    time.sleep(120)
+""")
+
+helpers = {}
+exec(BATCHES, helpers)
+
+
+@pytest.fixture
+def shm_name():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    unlink_shared(name)
+
+
+def _start(name, steps):
+    return subprocess.Popen([sys.executable, "-c", CHILD, name, str(steps)], stdout=subprocess.PIPE, text=True)
+
+
+def _wait_acks(proc, count):
+    acked = 0
+    while acked < count:
+        line = proc.stdout.readline()
+        assert line, f"child exited early with code {proc.wait(timeout=10)}"
+        acked = int(line)
+    return acked
+
+
+def _replica(steps):
+    store = EmbeddingStore(**helpers["CONFIG"])
+    for step in range(steps):
+        keys, grads = helpers["batch"](step)
+        store.pull(keys)
+        store.push(keys, grads)
+    return store
+
+
+def _content(store):
+    e = store.export()
+    order = np.argsort(e["keys"])
+    return e["keys"][order], e["weights"][order], e["state"][order], e["clocks"][order]
+
+
+def _kill(proc):
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+
+
+def test_reattach_after_kill_has_every_completed_update(shm_name):
+    proc = _start(shm_name, steps=25)
+    try:
+        _wait_acks(proc, 25)
+    finally:
+        _kill(proc)
+    attached = EmbeddingStore.attach(shm_name)
+    assert attached.step == 25
+    for got, want in zip(_content(attached), _content(_replica(25))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_kill_during_updates_loses_no_acknowledged_update(shm_name):
+    proc = _start(shm_name, steps=-1)
+    try:
+        acked = _wait_acks(proc, 40)
+    finally:
+        _kill(proc)
+    attached = EmbeddingStore.attach(shm_name)
+    assert attached.step >= acked
+    keys = attached.keys()
+    assert len(np.unique(keys)) == len(keys) == len(attached)
+    assert (attached.lookup(keys, insert=False).rows >= 0).all(), "index rebuilt for every live key"
+    ref_keys, _, _, ref_clocks = _content(_replica(acked))
+    got = dict(zip(*_content(attached)[::3]))
+    # capacity exceeds the 500 keys: nothing is evicted, so every acknowledged update must be there
+    for k, c in zip(ref_keys.tolist(), ref_clocks.tolist()):
+        assert got[k] >= c, f"key {k}: {got[k]} updates survived, {c} were acknowledged"
+    # and the reattached store trains on
+    keys, grads = helpers["batch"](1000)
+    attached.pull(keys)
+    attached.push(keys, grads)
+
+
+def test_open_shared_refuses_a_different_config(shm_name):
+    EmbeddingStore.open_shared(shm_name, dim=4, capacity=10).close()
+    with pytest.raises(ValueError, match="different table config"):
+        EmbeddingStore.open_shared(shm_name, dim=8, capacity=10)
+    with pytest.raises(FileExistsError, match="already exists"):
+        EmbeddingStore(dim=4, capacity=10, shm_name=shm_name)
+    with pytest.raises(ValueError, match="shm_name: 'bad/name' is not allowed"):
+        EmbeddingStore(dim=4, capacity=10, shm_name="bad/name")

@@ -1,0 +1,134 @@
+"""EmbeddingStore behaviour a user relies on: deterministic initialisation, pull/push, input
+checks that leave the store untouched, memory per row, and multi-threaded partitions."""
+import numpy as np
+import pytest
+
+from hybridrec.embedding import EmbeddingStore, TableConfig, route
+
+KEYS = np.array([0, 1, 2**32, 2**63, 2**64 - 1, 987654321987654321], dtype=np.uint64)
+
+
+def test_initial_row_depends_only_on_seed_and_key():
+    a = EmbeddingStore(dim=8, capacity=100, seed=7, num_threads=1)
+    b = EmbeddingStore(dim=8, capacity=50, seed=7, num_threads=2)
+    a.pull(np.arange(100, 140, dtype=np.uint64))  # a different history first
+    np.testing.assert_array_equal(a.pull(KEYS), b.pull(KEYS[::-1])[::-1])
+    c = EmbeddingStore(dim=8, capacity=100, seed=8)
+    assert not np.allclose(a.pull(KEYS), c.pull(KEYS))
+
+
+def test_uniform_and_normal_initialisers_respect_their_bounds():
+    u = EmbeddingStore(dim=16, capacity=5000, init={"kind": "uniform", "low": -0.1, "high": 0.3})
+    w = u.pull(np.arange(4000, dtype=np.uint64))
+    assert w.min() >= -0.1 and w.max() < 0.3 and abs(w.mean() - 0.1) < 0.01
+    n = EmbeddingStore(dim=16, capacity=5000, init={"kind": "normal", "mean": 0.0, "std": 0.1, "bound": 0.15})
+    w = n.pull(np.arange(4000, dtype=np.uint64))
+    assert np.abs(w).max() <= 0.15 and 0.07 < w.std() < 0.1  # truncation narrows the spread
+    z = EmbeddingStore(dim=4, capacity=10, init="zeros")
+    assert (z.pull(KEYS) == 0).all()
+
+
+def test_pull_without_insert_reads_zeros_and_leaves_store_empty():
+    store = EmbeddingStore(dim=4, capacity=10)
+    assert (store.pull(KEYS, insert=False) == 0).all()
+    assert len(store) == 0
+
+
+def test_push_sums_gradients_of_equal_keys():
+    store = EmbeddingStore(dim=2, capacity=10, optimizer={"name": "sgd", "lr": 1.0}, init="zeros")
+    keys = np.array([5, 5, 6], dtype=np.uint64)
+    store.pull(keys)
+    store.push(keys, np.array([[1, 2], [3, 4], [1, 1]], np.float32))
+    np.testing.assert_array_equal(store.pull(keys, insert=False), [[-4, -6], [-4, -6], [-1, -1]])
+    assert store.export()["clocks"].tolist() == [1, 1]
+
+
+def test_push_of_absent_keys_is_dropped_and_counted():
+    store = EmbeddingStore(dim=2, capacity=10)
+    assert store.push(np.array([1, 2], np.uint64), np.ones((2, 2), np.float32)) == 2
+    assert len(store) == 0
+
+
+@pytest.mark.parametrize("keys, message", [
+    (np.array([1, 2], dtype=np.int64), "keys: dtype must be uint64"),
+    ([1, 2], "keys: expected a numpy uint64 array"),
+    (np.ones((2, 2), dtype=np.uint64), "keys: must be 1-D"),
+])
+def test_bad_keys_are_refused_with_the_argument_named(keys, message):
+    store = EmbeddingStore(dim=2, capacity=10)
+    with pytest.raises((TypeError, ValueError), match=message):
+        store.pull(keys)
+
+
+@pytest.mark.parametrize("grads, message", [
+    (np.array([[np.nan, 0], [0, 0]], np.float32), "NaN or inf"),
+    (np.array([[np.inf, 0], [0, 0]], np.float32), "NaN or inf"),
+    (np.zeros((2, 3), np.float32), r"shape must be \(2, 2\)"),
+    (np.zeros((1, 2), np.float32), r"shape must be \(2, 2\)"),
+])
+def test_bad_gradients_change_no_row(grads, message):
+    store = EmbeddingStore(dim=2, capacity=10, optimizer="adam")
+    keys = np.array([1, 2], np.uint64)
+    store.pull(keys)
+    before = store.export()
+    with pytest.raises(ValueError, match=message):
+        store.push(keys, grads)
+    after = store.export()
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name])
+    assert store.step == 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dim", 0, "dim: must be an integer"),
+    ("capacity", -5, "capacity: must be an integer"),
+    ("eviction", "lrv", "did you mean 'lru'"),
+    ("optimizer", "adagrd", "did you mean 'adagrad'"),
+    ("optimizer", {"name": "adam", "betta1": 0.9}, "did you mean 'beta1'"),
+    ("optimizer", {"name": "sgd", "lr": -1}, "lr must be a finite number > 0"),
+    ("admit_probability", 0.0, "admit_probability: must be >"),
+    ("pooling", "max", "choose one of"),
+    ("init", {"kind": "uniform", "low": 1, "high": 0}, "low must be < high"),
+])
+def test_bad_table_config_names_the_parameter(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TableConfig(**{"dim": 4, "capacity": 10, field: value})
+
+
+def test_unknown_table_key_is_refused_with_the_closest_name():
+    with pytest.raises(ValueError, match="did you mean 'capacity'"):
+        TableConfig.from_dict({"dim": 4, "capacty": 10})
+
+
+def test_memory_per_row_stays_within_budget_at_full_capacity():
+    dim = 16
+    store = EmbeddingStore(dim=dim, capacity=100_000, optimizer="adagrad")
+    store.pull(np.arange(200_000, dtype=np.uint64)[:100_000])
+    stats = store.stats()
+    assert stats["size"] == 100_000
+    assert stats["bytes_per_row"] <= (dim + dim) * 4 + 48
+
+
+def test_two_threads_give_the_same_values_as_one():
+    rng = np.random.default_rng(1)
+    one = EmbeddingStore(dim=4, capacity=10_000, optimizer="adagrad")
+    two = EmbeddingStore(dim=4, capacity=10_000, optimizer="adagrad", num_threads=2)
+    for _ in range(20):
+        keys = (rng.zipf(1.3, size=500).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        grads = rng.normal(size=(500, 4)).astype(np.float32)
+        np.testing.assert_array_equal(one.pull(keys), two.pull(keys))
+        one.push(keys, grads)
+        two.push(keys, grads)
+    probe = np.unique(keys)
+    np.testing.assert_array_equal(one.pull(probe, insert=False), two.pull(probe, insert=False))
+
+
+def test_route_is_uniform_and_stable():
+    keys = np.arange(100_000, dtype=np.uint64)
+    shards = route(keys, table_id=3, num_shards=4)
+    counts = np.bincount(shards, minlength=4)
+    assert counts.min() > 0.95 * 25_000
+    np.testing.assert_array_equal(shards, route(keys.copy(), 3, 4))
+    assert not np.array_equal(shards, route(keys, 4, 4)), "tables are shuffled independently"
+    with pytest.raises(TypeError, match="uint64"):
+        route(keys.astype(np.int64), 0, 4)
