@@ -77,6 +77,7 @@ def build_model(
         if key not in accepted:
             hint = _did_you_mean(key, list(accepted))
             raise ValueError(
-                f"unknown hyper-parameter {key!r} for model {name!r}; {hint}accepted: {sorted(accepted)}"
+                f"unknown hyper-parameter {key!r} for model {name!r}; {hint}"
+                f"accepted: {sorted(accepted) if accepted else 'none (this model has no hyper-parameters)'}"
             )
     return model_class(name)(num_sparse, embedding_dim, num_dense, num_tasks, **hparams)
