@@ -44,6 +44,13 @@ _FNV_PRIME = np.uint64(0x100000001B3)
 _FNV_FIELD_SEED = np.uint64(0xCBF29CE484222325)
 _NEWLINE = 10
 _CARRIAGE_RETURN = 13
+# value of each byte as a lowercase hex digit, 255 where it is not one
+_HEX_DIGIT = np.full(256, 255, dtype=np.uint8)
+_HEX_DIGIT[48:58] = np.arange(10)
+_HEX_DIGIT[97:103] = np.arange(10, 16)
+# log(1 + x) of the small counts that make up most of Criteo's dense values
+_LOG1P_TABLE_SIZE = 4096
+_LOG1P_SMALL = np.log1p(np.arange(_LOG1P_TABLE_SIZE, dtype=np.float64))
 
 
 @njit(cache=True, nogil=True)
@@ -71,15 +78,11 @@ def token_key(buf, start, end, field):
         value = np.uint64(0)
         is_hex = True
         for i in range(start, end):
-            c = buf[i]
-            if 48 <= c <= 57:
-                digit = c - 48
-            elif 97 <= c <= 102:
-                digit = c - 87
-            else:
+            digit = _HEX_DIGIT[buf[i]]
+            if digit == 255:
                 is_hex = False
                 break
-            value = value * np.uint64(16) + np.uint64(digit)
+            value = (value << np.uint64(4)) | np.uint64(digit)
         if is_hex:
             return hex_token_key(field, length, value)
     h = mix64(_FNV_FIELD_SEED ^ np.uint64(field))
@@ -153,11 +156,24 @@ def parse_number(buf, start, end):
         exponent += -int(written) if exponent_negative else int(written)
     if i != end:
         return False, 0.0
+    value = mantissa
     if exponent < 0:
         value = mantissa / 10.0 ** (-exponent)
-    else:
+    elif exponent > 0:
         value = mantissa * 10.0 ** exponent
     return True, -value if negative else value
+
+
+@njit(cache=True, nogil=True)
+def _log1p_of_count(value):
+    """log(1 + max(value, 0)), from a table for small whole numbers."""
+    if value <= 0.0:
+        return 0.0
+    if value < _LOG1P_TABLE_SIZE:
+        whole = int(value)
+        if whole == value:
+            return _LOG1P_SMALL[whole]
+    return np.log1p(value)
 
 
 @njit(cache=True, nogil=True)
@@ -271,14 +287,13 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
         error_column = 0
         error_start = line_start
         error_end = line_end
-        found_columns = _count_columns(buf, line_start, line_end, delimiter)
-        if found_columns != n_columns:
-            error = ERROR_COLUMN_COUNT
-            error_column = found_columns
         ids_before = n_ids
         pos = line_start
         column = 0
         while error == 0 and column < n_columns:
+            if pos > line_end:  # the line ran out of columns
+                error = ERROR_COLUMN_COUNT
+                break
             start = pos
             while pos < line_end and buf[pos] != delimiter:
                 pos += 1
@@ -299,7 +314,7 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                     if not ok:
                         error = ERROR_NOT_A_NUMBER
                 if kind == KIND_DENSE_LOG1P:
-                    value = np.log1p(max(value, 0.0))
+                    value = _log1p_of_count(value)
                 dense[kept, slot] = value
             elif kind == KIND_CATEGORICAL:
                 id_starts[kept, slot] = n_ids
@@ -336,6 +351,12 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                 error_start = start
                 error_end = end
             column += 1
+        if error == 0 and pos <= line_end:  # columns left over
+            error = ERROR_COLUMN_COUNT
+        if error == ERROR_COLUMN_COUNT:
+            error_column = _count_columns(buf, line_start, line_end, delimiter)
+            error_start = line_start
+            error_end = line_end
         if error == 0:
             row_of_line[kept] = row
             kept += 1
@@ -361,18 +382,25 @@ def row_major_to_feature_major(id_starts, id_counts, ids):
     Returns (values, offsets) with the IDs of feature f for row b at
     values[offsets[f*B+b] : offsets[f*B+b+1]]."""
     rows, fields = id_counts.shape
-    offsets = np.empty(fields * rows + 1, dtype=np.int64)
-    offsets[0] = 0
+    cursor = np.zeros(fields, dtype=np.int64)  # where feature f's next ID goes
+    for b in range(rows):
+        for f in range(fields):
+            cursor[f] += id_counts[b, f]
     total = 0
     for f in range(fields):
-        for b in range(rows):
-            total += id_counts[b, f]
-            offsets[f * rows + b + 1] = total
+        size = cursor[f]
+        cursor[f] = total
+        total += size
+    offsets = np.empty(fields * rows + 1, dtype=np.int64)
+    offsets[fields * rows] = total
     values = np.empty(total, dtype=np.uint64)
-    for f in range(fields):
-        for b in range(rows):
-            out = offsets[f * rows + b]
+    for b in range(rows):  # row-major reads, one sequential write stream per feature
+        for f in range(fields):
+            out = cursor[f]
+            offsets[f * rows + b] = out
             start = id_starts[b, f]
-            for k in range(id_counts[b, f]):
+            count = id_counts[b, f]
+            for k in range(count):
                 values[out + k] = ids[start + k]
+            cursor[f] = out + count
     return values, offsets
