@@ -1,10 +1,7 @@
 """Embedding PS: lookup/push across server processes, codecs, bad requests, kill -9 + restart."""
 
 import os
-import select
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +9,7 @@ import pytest
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.ps import PSClient, serve
+from hybridrec.ps.server import launch
 
 TABLES = {"user": {"dim": 8, "capacity": 20_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3},
           "item": {"dim": 4, "capacity": 1_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
@@ -23,17 +21,7 @@ STARTUP_SECONDS = 120  # a cold numba cache compiles the store kernels on first 
 def start_server_process(shm_dir, *extra):
     """A `python -m hybridrec.ps.server` process on a free port and its address."""
     env = {**os.environ, "HYBRIDREC_SHM_DIR": str(shm_dir)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hybridrec.ps.server", "--port", "0", *TABLE_ARGS, *extra],
-        stdout=subprocess.PIPE, env=env, text=True,
-    )
-    ready, _, _ = select.select([process.stdout], [], [], STARTUP_SECONDS)
-    line = process.stdout.readline() if ready else ""
-    if "listening on" not in line:
-        process.kill()
-        process.wait(10)
-        pytest.fail(f"PS server did not start: {line!r}")
-    return process, line.split("listening on ")[1].split()[0]
+    return launch(["--port", "0", *TABLE_ARGS, *extra], env=env, startup_timeout=STARTUP_SECONDS)
 
 
 def stop_process(process):

@@ -13,15 +13,80 @@ Not thread-safe: use one PSClient per thread.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import torch
+from numba import njit
 
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, request_all
 from hybridrec.embedding import route
+from hybridrec.embedding.hashing import mix64
+
+_EMPTY = np.int64(-1)
+
+
+@njit(cache=True, nogil=True)
+def _dedup(keys, slots, unique_keys, inverse):
+    """Unique keys in first-seen order + each key's index among them (open addressing).
+
+    `slots` is an int64 table of -1 whose length is a power of two larger than len(keys).
+    """
+    mask = np.int64(slots.shape[0] - 1)
+    num_unique = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        slot = np.int64(mix64(key) & np.uint64(mask))
+        while True:
+            u = slots[slot]
+            if u == _EMPTY:
+                slots[slot] = num_unique
+                unique_keys[num_unique] = key
+                inverse[i] = num_unique
+                num_unique += 1
+                break
+            if unique_keys[u] == key:
+                inverse[i] = u
+                break
+            slot = (slot + 1) & mask
+    return num_unique
+
+
+@njit(cache=True, nogil=True)
+def _group_by_shard(shard, num_shards, order, bounds, local):
+    """Counting sort of unique keys by shard: order, shard bounds, and each key's index in its shard."""
+    bounds[:] = 0
+    for u in range(shard.shape[0]):
+        bounds[shard[u] + 1] += 1
+    for s in range(num_shards):
+        bounds[s + 1] += bounds[s]
+    cursor = bounds[:-1].copy()
+    for u in range(shard.shape[0]):
+        s = shard[u]
+        order[cursor[s]] = u
+        local[u] = cursor[s] - bounds[s]
+        cursor[s] += 1
+
+
+@njit(cache=True, nogil=True)
+def _place_shard_rows(out, shard_rows, shard_id, shard, local, inverse):
+    """out[i] = the row shard `shard_id` returned for key i, for the keys routed there."""
+    for i in range(inverse.shape[0]):
+        u = inverse[i]
+        if shard[u] == shard_id:
+            row = local[u]
+            for j in range(out.shape[1]):
+                out[i, j] = shard_rows[row, j]
+
+
+@njit(cache=True, nogil=True)
+def _sum_by_unique(grads, inverse, summed):
+    for i in range(inverse.shape[0]):
+        u = inverse[i]
+        for j in range(grads.shape[1]):
+            summed[u, j] += grads[i, j]
 
 
 def table_route_id(table: str) -> int:
@@ -41,6 +106,24 @@ def _check_keys(keys: np.ndarray) -> np.ndarray:
             f"{type(keys).__name__} {getattr(keys, 'dtype', '')} {getattr(keys, 'shape', '')}"
         )
     return np.ascontiguousarray(keys)
+
+
+@dataclass(frozen=True)
+class _Fanout:
+    """How one batch of keys is spread over the shards (see `PSClient._route`)."""
+
+    unique_keys: np.ndarray  # uint64[U], first-seen order
+    inverse: np.ndarray  # int64[n]: keys[i] == unique_keys[inverse[i]]
+    shard: np.ndarray  # int64[U]: shard of each unique key
+    order: np.ndarray  # int64[U]: unique keys grouped by shard
+    bounds: np.ndarray  # int64[S+1]: shard s holds order[bounds[s]:bounds[s+1]]
+    local: np.ndarray  # int64[U]: index of each unique key within its shard's request
+
+    def busy_shards(self) -> list[int]:
+        return [s for s in range(len(self.bounds) - 1) if self.bounds[s + 1] > self.bounds[s]]
+
+    def of_shard(self, s: int) -> np.ndarray:
+        return self.order[self.bounds[s]:self.bounds[s + 1]]
 
 
 class PSClient:
@@ -72,32 +155,40 @@ class PSClient:
                 raise ValueError(f"table {table!r} is not served; tables: {sorted(tables)}")
         return self._dims[table]
 
-    def _partition(self, table: str, unique_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(order, bounds): unique_keys[order[bounds[s]:bounds[s+1]]] belong to shard s."""
-        with np.errstate(over="ignore"):  # route's salt multiply wraps on purpose
-            shard = route(unique_keys, table_route_id(table), self.num_shards)
-        order = np.argsort(shard, kind="stable")
-        bounds = np.zeros(self.num_shards + 1, dtype=np.int64)
-        np.cumsum(np.bincount(shard, minlength=self.num_shards), out=bounds[1:])
-        return order, bounds
+    def _route(self, table: str, keys: np.ndarray) -> "_Fanout":
+        """Deduplicate `keys` and group the unique ones by shard."""
+        slots = np.full(1 << max(4, int(2 * len(keys)).bit_length()), _EMPTY, dtype=np.int64)
+        unique_keys = np.empty(len(keys), dtype=np.uint64)
+        inverse = np.empty(len(keys), dtype=np.int64)
+        unique_keys = unique_keys[:_dedup(keys, slots, unique_keys, inverse)]
+        shard = route(unique_keys, table_route_id(table), self.num_shards)
+        order = np.empty(len(unique_keys), dtype=np.int64)
+        bounds = np.empty(self.num_shards + 1, dtype=np.int64)
+        local = np.empty(len(unique_keys), dtype=np.int64)
+        _group_by_shard(shard, self.num_shards, order, bounds, local)
+        return _Fanout(unique_keys, inverse, shard, order, bounds, local)
 
     def lookup(self, table: str, keys: np.ndarray, insert: bool = True) -> np.ndarray:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
         keys = _check_keys(keys)
-        unique_keys, inverse = np.unique(keys, return_inverse=True)
-        order, bounds = self._partition(table, unique_keys)
+        fanout = self._route(table, keys)
         meta = {"table": table, "insert": bool(insert), "codec": self.codec.name}
-        shards = [s for s in range(self.num_shards) if bounds[s + 1] > bounds[s]]
+        shards = fanout.busy_shards()
         replies = request_all(
-            [(self._clients[s], "lookup", {"keys": unique_keys[order[bounds[s]:bounds[s + 1]]]}, meta)
+            [(self._clients[s], "lookup", {"keys": fanout.unique_keys[fanout.of_shard(s)]}, meta)
              for s in shards],
             idempotent=True,
         )
-        unique_rows = np.empty((len(unique_keys), self.dim(table)), dtype=np.float32)
+        rows = np.empty((len(keys), self.dim(table)), dtype=np.float32)
         for s, reply in zip(shards, replies):
             encoded = Encoded(reply.meta.get("codec"), reply.arrays, reply.meta.get("codec_meta", {}))
-            unique_rows[order[bounds[s]:bounds[s + 1]]] = self.codec.decode(encoded)
-        return unique_rows[inverse.reshape(-1)]
+            shard_rows = self.codec.decode(encoded)
+            if shard_rows.shape != (fanout.bounds[s + 1] - fanout.bounds[s], rows.shape[1]):
+                raise ValueError(f"shard {s} ({self.addresses[s]}) answered {shard_rows.shape} rows "
+                                 f"for {fanout.bounds[s + 1] - fanout.bounds[s]} keys of dim {rows.shape[1]}")
+            _place_shard_rows(rows, np.ascontiguousarray(shard_rows), s, fanout.shard, fanout.local,
+                              fanout.inverse)
+        return rows
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
         """Send gradients (one row per key; equal keys are summed); returns dropped updates.
@@ -113,18 +204,15 @@ class PSClient:
             )
         if not np.isfinite(grads).all():
             raise ValueError("grads holds NaN or inf; nothing was sent")
-        unique_keys, inverse = np.unique(keys, return_inverse=True)
-        summed = torch.zeros(len(unique_keys), dim).index_add_(
-            0, torch.from_numpy(inverse.reshape(-1)), torch.from_numpy(np.ascontiguousarray(grads))
-        ).numpy()
-        order, bounds = self._partition(table, unique_keys)
+        fanout = self._route(table, keys)
+        summed = np.zeros((len(fanout.unique_keys), dim), dtype=np.float32)
+        _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed)
         requests = []
-        for s in range(self.num_shards):
-            picked = order[bounds[s]:bounds[s + 1]]
-            if len(picked):
-                encoded = self.codec.encode(summed[picked], argument="grads")
-                requests.append((self._clients[s], "push", {"keys": unique_keys[picked], **encoded.arrays},
-                                 {"table": table, "codec": encoded.codec, "codec_meta": encoded.meta}))
+        for s in fanout.busy_shards():
+            picked = fanout.of_shard(s)
+            encoded = self.codec.encode(summed[picked], argument="grads")
+            requests.append((self._clients[s], "push", {"keys": fanout.unique_keys[picked], **encoded.arrays},
+                             {"table": table, "codec": encoded.codec, "codec_meta": encoded.meta}))
         return sum(int(reply.meta["dropped"]) for reply in request_all(requests, idempotent=False))
 
     def ping(self) -> list[dict[str, Any]]:

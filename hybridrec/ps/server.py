@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +40,7 @@ from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
+LISTENING = " listening on "  # what `main` prints, with the address, once it serves
 
 
 def _table_config(name: str, spec: TableConfig | Mapping[str, Any]) -> TableConfig:
@@ -221,6 +224,27 @@ def run_until_stopped(server: EmbeddingServer) -> None:
         server.stop()
 
 
+def launch(args: Sequence[str], *, env: Mapping[str, str] | None = None,
+           startup_timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start `python -m hybridrec.ps.server *args` and return (process, address) once it listens.
+
+    The caller owns the process (kill it when done). A server that does not report within
+    `startup_timeout` seconds (a cold numba cache compiles the store kernels first) is killed
+    and RuntimeError is raised.
+    """
+    process = subprocess.Popen([sys.executable, "-m", "hybridrec.ps.server", *args],
+                               stdout=subprocess.PIPE, text=True,
+                               env=None if env is None else dict(env))
+    ready, _, _ = select.select([process.stdout], [], [], startup_timeout)
+    line = process.stdout.readline() if ready else ""
+    if LISTENING not in line:
+        process.kill()
+        process.wait(10)
+        raise RuntimeError(f"PS server {list(args)} did not start within {startup_timeout}s "
+                           f"(exit code {process.returncode}, said {line!r})")
+    return process, line.split(LISTENING)[1].split()[0]
+
+
 def _parse_table(text: str) -> tuple[str, dict[str, Any]]:
     parts = text.split(":")
     if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
@@ -248,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if not tables:
         parser.error("give at least one --table NAME:DIM:CAPACITY or --tables-json")
     server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False)
-    print(f"hybridrec-ps listening on {server.address} pid {os.getpid()}", flush=True)
+    print(f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True)
     run_until_stopped(server)
     return 0
 
