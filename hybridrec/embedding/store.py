@@ -19,9 +19,18 @@ from .table import POOLING_MODES, TableConfig
 
 _MAGIC = 0x48524543  # "HREC"
 # scalars[*]
-S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED = 0, 1, 2, 3, 4
+S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED, S_INDEX_GEN = 0, 1, 2, 3, 4, 5
 SCALARS_WIDTH = 16
-LOAD_FACTOR = 0.5  # index slots per row = 1 / LOAD_FACTOR
+LOAD_FACTOR = 0.5  # at most this many live keys per index slot
+MIN_SLOTS = 64  # index slots per partition at generation 0; each generation doubles them
+
+
+def slot_counts(row_counts: np.ndarray, generation: int) -> np.ndarray:
+    """Index slots per partition at an index generation: doubling from MIN_SLOTS up to the
+    number a full partition needs. The index grows with the live keys, never past that bound,
+    so a large mostly-empty table keeps a small, cache-resident index."""
+    full = np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
+    return np.minimum(full, MIN_SLOTS << generation)
 
 
 @dataclasses.dataclass
@@ -106,10 +115,12 @@ class EmbeddingStore:
         self.r64 = self.rows.view(np.uint64)
         row_counts = np.full(nparts, cfg.capacity // nparts, dtype=np.int64)
         row_counts[: cfg.capacity % nparts] += 1
-        slot_counts = np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
-        self.index = a.array("index", (int(slot_counts.sum()),), np.int32, fill=-1, create=create)
+        self.row_counts = row_counts
         self.parts = a.array("parts", (nparts, K.PARTS_WIDTH), np.int64, create=create)
         self.scalars = a.array("scalars", (SCALARS_WIDTH,), np.int64, create=create)
+        generation = 0 if create else self._generation_of_index_file()
+        slots = slot_counts(row_counts, generation)
+        self.index = a.array("index", (int(slots.sum()),), np.int32, fill=-1, create=create)
         sketch_width = 1
         if cfg.admit_min_frequency > 1:
             sketch_width = 1 << max(10, int(np.ceil(np.log2(max(cfg.capacity, 2)))) - 1)
@@ -118,8 +129,7 @@ class EmbeddingStore:
             self.parts[:] = 0
             self.parts[:, K.PT_ROW_START] = np.concatenate([[0], np.cumsum(row_counts)[:-1]])
             self.parts[:, K.PT_ROW_COUNT] = row_counts
-            self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slot_counts)[:-1]])
-            self.parts[:, K.PT_SLOT_COUNT] = slot_counts
+            self._set_slot_layout(slots)
             self.parts[:, K.PT_HEAD] = -1
             self.parts[:, K.PT_TAIL] = -1
             self.scalars[:] = 0
@@ -143,7 +153,7 @@ class EmbeddingStore:
         self._allocate(create=False)
         if self.scalars[S_MAGIC] != _MAGIC:
             raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
-        if self.scalars[S_DIRTY]:
+        if self.scalars[S_DIRTY] or self.scalars[S_INDEX_GEN] != self._generation_of_index_file():
             self._repair()
         return self
 
@@ -163,7 +173,43 @@ class EmbeddingStore:
 
     unlink_shared = staticmethod(unlink_shared)
 
+    # ---------------------------------------------------------------- index growth
+    def _set_slot_layout(self, slots: np.ndarray) -> None:
+        self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
+        self.parts[:, K.PT_SLOT_COUNT] = slots
+
+    def _generation_of_index_file(self) -> int:
+        """The index generation whose size matches the index array as it exists now."""
+        total = self._arena.size_of("index", np.int32) if self._arena.path is not None else self.index.shape[0]
+        for generation in range(64):
+            slots = slot_counts(self.row_counts, generation)
+            if slots.sum() == total:
+                return generation
+            if (slots == np.maximum(np.ceil(self.row_counts / LOAD_FACTOR), 8)).all():
+                break
+        raise ValueError(f"store {self._arena.name!r}: index of {total} slots fits no layout (corrupt?)")
+
+    def _reserve(self, n_new: int) -> None:
+        """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR."""
+        gen = int(self.scalars[S_INDEX_GEN])
+        sizes = self.parts[:, K.PT_SIZE]
+        need = np.minimum(sizes + n_new, self.row_counts) / LOAD_FACTOR
+        new_gen = gen
+        while (slot_counts(self.row_counts, new_gen) < need).any():
+            new_gen += 1
+        if new_gen == gen:
+            return
+        slots = slot_counts(self.row_counts, new_gen)
+        self.scalars[S_DIRTY] = 1
+        self.index = self._arena.replace_array("index", (int(slots.sum()),), np.int32, fill=-1)
+        self._set_slot_layout(slots)
+        self.scalars[S_INDEX_GEN] = new_gen
+        K.rebuild_index(self.r64, self.index, self.parts, self.config.meta_offset)
+        self.scalars[S_DIRTY] = 0
+
     def _repair(self) -> None:
+        self.scalars[S_INDEX_GEN] = self._generation_of_index_file()
+        self._set_slot_layout(slot_counts(self.row_counts, int(self.scalars[S_INDEX_GEN])))
         bad = K.rebuild_index(self.r64, self.index, self.parts, self.config.meta_offset)
         if bad >= 0:
             raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
@@ -179,6 +225,8 @@ class EmbeddingStore:
     # ---------------------------------------------------------------- core operations
     def _probe(self, keys: np.ndarray, mode: int) -> Lookup:
         n = keys.shape[0]
+        if mode != K.MODE_FIND:
+            self._reserve(n)
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
         uniq = np.empty(n, np.int32)
@@ -335,6 +383,11 @@ class EmbeddingStore:
     def memory_bytes(self) -> int:
         return int(self.rows.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
+    def capacity_bytes(self) -> int:
+        """Bytes the store occupies once every row is in use (the index then at its largest)."""
+        full_slots = int(slot_counts(self.row_counts, 64).sum())
+        return int(self.rows.nbytes + full_slots * 4 + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
+
     def stats(self) -> dict:
         p = self.parts
         return {
@@ -348,7 +401,7 @@ class EmbeddingStore:
             "rejected": int(p[:, K.PT_REJECTED].sum()),
             "dropped_updates": int(self.scalars[S_DROPPED]),
             "memory_bytes": self.memory_bytes(),
-            "bytes_per_row": self.memory_bytes() / self.config.capacity,
+            "bytes_per_row": self.capacity_bytes() / self.config.capacity,
             "shm_name": self._arena.name,
         }
 
