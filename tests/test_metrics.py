@@ -128,9 +128,8 @@ def test_accumulator_reports_each_task_and_nan_auc_for_a_single_class_task():
     accumulator.update(probs[:100], labels[:100])
     accumulator.update(probs[100:], labels[100:])
     result = accumulator.compute()
-    assert set(result) == {f"{task}/{metric}" for task in ("click", "purchase") for metric in ("auc", "logloss", "ne")} | {
-        "count"
-    }
+    per_task = {f"{task}/{metric}" for task in ("click", "purchase") for metric in ("auc", "logloss", "ne")}
+    assert set(result) == per_task | {"count"}
     assert result["click/auc"] == pytest.approx(auc(labels[:, 0], probs[:, 0]))
     assert math.isnan(result["purchase/auc"]) and math.isnan(result["purchase/ne"])
     assert result["purchase/logloss"] == pytest.approx(logloss(labels[:, 1], probs[:, 1]), rel=1e-6)
