@@ -30,7 +30,7 @@ def slot_counts(row_counts: np.ndarray, generation: int) -> np.ndarray:
     number a full partition needs. The index grows with the live keys, never past that bound,
     so a large mostly-empty table keeps a small, cache-resident index."""
     full = np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
-    return np.minimum(full, MIN_SLOTS << generation)
+    return np.minimum(full, MIN_SLOTS << min(generation, 40))
 
 
 @dataclasses.dataclass
@@ -385,7 +385,7 @@ class EmbeddingStore:
 
     def capacity_bytes(self) -> int:
         """Bytes the store occupies once every row is in use (the index then at its largest)."""
-        full_slots = int(slot_counts(self.row_counts, 64).sum())
+        full_slots = int(slot_counts(self.row_counts, 40).sum())
         return int(self.rows.nbytes + full_slots * 4 + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
     def stats(self) -> dict:
