@@ -42,7 +42,7 @@ class EmbeddingSystem(Protocol):
 
     def step(self) -> None: ...
 
-    def bytes_per_row(self) -> int | None: ...
+    def bytes_per_row(self) -> float: ...
 
 
 class _SystemBase:
@@ -57,8 +57,8 @@ class _SystemBase:
     def step(self) -> None:
         pass
 
-    def bytes_per_row(self) -> int:
-        return 2 * self.shape.dim * 4
+    def bytes_per_row(self) -> float:
+        return 2 * self.shape.dim * 4.0
 
 
 class TorchEmbeddingBagSystem(_SystemBase):
@@ -127,15 +127,14 @@ class HybridrecSystem(_SystemBase):
 
     def __init__(self, shape: WorkloadShape) -> None:
         from hybridrec.data.batch import JaggedFeatures
-        from hybridrec.embedding import EmbeddingCollection, TableConfig
+        from hybridrec.embedding import EmbeddingCollection, OptimizerConfig, TableConfig
 
         super().__init__(shape)
         self._jagged_features = JaggedFeatures
-        tables = {
-            f"table_{name}": TableConfig(dim=shape.dim, capacity=shape.capacity,
-                                         optimizer="adagrad", learning_rate=ADAGRAD_LR,
-                                         eps=ADAGRAD_EPS, num_threads=1)
-            for name in shape.feature_names}
+        adagrad = OptimizerConfig("adagrad", lr=ADAGRAD_LR, eps=ADAGRAD_EPS)
+        tables = {f"table_{name}": TableConfig(dim=shape.dim, capacity=shape.capacity,
+                                               optimizer=adagrad, num_threads=1)
+                  for name in shape.feature_names}
         self.collection = EmbeddingCollection(
             tables, {name: f"table_{name}" for name in shape.feature_names})
         self._offsets = np.arange(shape.lookups_per_batch + 1, dtype=np.int64)
@@ -145,12 +144,11 @@ class HybridrecSystem(_SystemBase):
                                      self._offsets)
 
     def pooled(self, prepared: Any) -> torch.Tensor:
-        by_feature = self.collection(prepared)
-        return torch.stack([by_feature[name] for name in self.shape.feature_names], dim=1)
+        return self.collection.forward_stacked(prepared)  # [B, F, D] in feature order
 
-    def bytes_per_row(self) -> int:
+    def bytes_per_row(self) -> float:
         store = self.collection.stores[f"table_{self.shape.feature_names[0]}"]
-        return int(store.stats()["bytes_per_row"])
+        return float(store.stats()["bytes_per_row"])
 
 
 _SYSTEM_CLASSES: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] = {

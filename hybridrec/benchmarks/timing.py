@@ -134,7 +134,7 @@ class SystemResult:
 
     name: str
     throughput: Throughput | None = None
-    bytes_per_row: int | None = None
+    bytes_per_row: float | None = None
     error: str | None = None
 
 
