@@ -152,6 +152,28 @@ def test_each_system_pools_and_applies_its_update(system_class):
     assert system.bytes_per_row() > 0
 
 
+def test_torch_and_torchrec_peers_do_the_same_adagrad_work():
+    """The comparison is fair only if both peers train identically: same start, same
+    gradients, so the same rows after every step."""
+    torch.manual_seed(0)
+    torch_peer = TorchEmbeddingBagSystem(TINY_SHAPE)
+    torchrec_peer = _build_or_skip(TorchRecSystem)
+    weights = torchrec_peer.collection.state_dict()
+    with torch.no_grad():
+        for field, name in enumerate(TINY_SHAPE.feature_names):
+            weights[f"embedding_bags.table_{name}.weight"].copy_(torch_peer.bags[field].weight)
+    gradient = torch.randn(TINY_SHAPE.batch_size, TINY_SHAPE.fields, TINY_SHAPE.dim)
+    for batch in make_sparse_batches(TINY_SHAPE, 3):
+        inputs = (torch_peer.prepare(batch), torchrec_peer.prepare(batch))
+        torch_out, torchrec_out = torch_peer.pooled(inputs[0]), torchrec_peer.pooled(inputs[1])
+        torch.testing.assert_close(torch_out, torchrec_out, rtol=1e-5, atol=1e-6)
+        for peer, out in ((torch_peer, torch_out), (torchrec_peer, torchrec_out)):
+            out.backward(gradient)
+            peer.step()
+    torch.testing.assert_close(torch_peer.pooled(inputs[0]), torchrec_peer.pooled(inputs[1]),
+                               rtol=1e-5, atol=1e-6)
+
+
 # ---- reports ----------------------------------------------------------------------------
 
 def test_summary_ratios_pair_repetitions():
