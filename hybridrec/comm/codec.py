@@ -15,7 +15,8 @@ Two independent choices, each selected per job by name (Persia §4.2.3):
 
 Every `encode` returns an `Encoded` (named arrays + small JSON-able metadata) whose `nbytes`
 is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transport` sends.
-All work is vectorised numpy: no Python loop per ID or per row.
+All work is vectorised numpy (IDs) or torch ops (fp16 casts, which numpy does slowly): no
+Python loop per ID or per row.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from hybridrec.data.batch import JaggedFeatures
 
 MAX_SUB_BATCH = 65535  # sample positions must fit in uint16
 FP16_SCALE_TARGET = 16384.0  # K: a block's largest magnitude maps here, well inside fp16's 65504
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,11 @@ class UniqueIdCodec:
         return JaggedFeatures(list(names), values, offsets)
 
 
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a contiguous array (a copy only if it is read-only, which torch refuses)."""
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
 def _check_rows(rows: np.ndarray, argument: str) -> np.ndarray:
     rows = np.asarray(rows)
     if rows.dtype != np.float32:
@@ -237,11 +245,10 @@ class RawValueCodec:
 class Fp16BlockCodec:
     """Persia's lossy codec: per block, scale by K/||v||_inf, cast to fp16, divide back.
 
-    Only the block's norm ||v||_inf travels (float32) and decode computes
-    ``fp16 / K * norm``, which is dividing by the scale K/norm without ever forming it, so a
-    block of tiny values cannot overflow the scale. Each decoded value is within
-    ``norm * 2**-11`` of the original (fp16 keeps 11 significant bits); all-zero blocks
-    decode to exact zeros. NaN or inf input is an error.
+    Each block's scale travels as a float32 beside the fp16 values. The scale is capped at
+    float32's largest value, so blocks of tiny (even subnormal) values or zeros need no special
+    case. Each decoded value is within ``||block||_inf * 2**-11`` of the original (fp16 keeps
+    11 significant bits); all-zero blocks decode to exact zeros. NaN or inf input is an error.
     """
 
     name = "fp16"
@@ -254,7 +261,7 @@ class Fp16BlockCodec:
         self.block_size = block_size
         self.scale_target = float(scale_target)
 
-    def _blocks(self, dim: int, argument: str) -> int:
+    def _block(self, dim: int, argument: str) -> int:
         block = dim if self.block_size is None else self.block_size
         if dim and dim % block:
             raise ValueError(f"{argument} dim {dim} is not a multiple of block_size {block}")
@@ -262,37 +269,34 @@ class Fp16BlockCodec:
 
     def encode(self, rows: np.ndarray, argument: str = "rows") -> Encoded:
         rows = _check_rows(rows, argument)
-        if not np.isfinite(rows).all():
+        n, dim = rows.shape
+        block = self._block(dim, argument)
+        blocks = _tensor(rows).view(n, dim // block, block)
+        norms = blocks.abs().amax(dim=2) if rows.size else torch.zeros(n, dim // block)
+        if not torch.isfinite(norms).all():  # amax propagates NaN and inf
             bad = int(rows.size - np.count_nonzero(np.isfinite(rows)))
             raise ValueError(f"{argument} holds {bad} NaN/inf values; fp16 encoding needs finite values")
-        n, dim = rows.shape
-        block = self._blocks(dim, argument)
-        blocks = rows.reshape(n, dim // block, block)
-        norms = np.abs(blocks).max(axis=2) if dim else np.zeros((n, 0), np.float32)
-        safe = np.where(norms > 0, norms, np.float32(1))
-        scaled = blocks / safe[:, :, None] * np.float32(self.scale_target)  # |v|/norm <= 1: no overflow
-        return Encoded(
-            self.name,
-            {"values": scaled.astype(np.float16).reshape(n, dim), "norms": norms.astype(np.float32)},
-            {"block_size": block, "scale_target": self.scale_target},
-        )
+        scales = (self.scale_target / norms).clamp_(max=FLOAT32_MAX)  # zero blocks: K/0 = inf -> max
+        values = torch.empty((n, dim // block, block), dtype=torch.float16)
+        torch.mul(blocks, scales.unsqueeze(2), out=values)  # computed in fp32, rounded once to fp16
+        return Encoded(self.name, {"values": values.view(n, dim).numpy(), "scales": scales.numpy()},
+                       {"block_size": block})
 
     def decode(self, encoded: Encoded) -> np.ndarray:
         _expect_codec(encoded, self.name)
         values = _array(encoded, "values", np.float16)
-        norms = _array(encoded, "norms", np.float32)
+        scales = _array(encoded, "scales", np.float32)
         block = encoded.meta.get("block_size")
-        target = encoded.meta.get("scale_target", self.scale_target)
         if values.ndim != 2 or not isinstance(block, int) or block < 1 or values.shape[1] % block:
             raise ValueError(
                 f"encoded 'values' shape {values.shape} does not split into blocks of {block!r}"
             )
         n, dim = values.shape
-        if norms.shape != (n, dim // block):
-            raise ValueError(f"encoded 'norms' has shape {norms.shape}, expected {(n, dim // block)}")
-        blocks = values.reshape(n, dim // block, block).astype(np.float32)
-        decoded = blocks / np.float32(target) * norms[:, :, None]
-        return decoded.reshape(n, dim)
+        if scales.shape != (n, dim // block) or not (scales > 0).all() or not np.isfinite(scales).all():
+            raise ValueError(f"encoded 'scales' must be finite and > 0 with shape {(n, dim // block)}, "
+                             f"got shape {scales.shape}")
+        blocks = _tensor(values).view(n, dim // block, block)
+        return torch.div(blocks, _tensor(scales).unsqueeze(2)).view(n, dim).numpy()
 
 
 ID_CODECS = {RawIdCodec.name: RawIdCodec, UniqueIdCodec.name: UniqueIdCodec}

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Message, Operation, Server
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         tables[name] = {**fields, "optimizer": optimizer, "seed": args.seed}
     if not tables:
         parser.error("give at least one --table NAME:DIM:CAPACITY or --tables-json")
+    # Requests run in parallel on --threads workers; torch's own pool (used by the fp16 codec)
+    # would only oversubscribe the cores, so it gets one thread per worker.
+    torch.set_num_threads(1)
     server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False)
     print(f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True)
     run_until_stopped(server)
