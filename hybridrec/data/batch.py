@@ -102,9 +102,14 @@ class JaggedFeatures:
         if not 0 <= start <= stop <= b:
             raise ValueError(f"row range [{start}, {stop}) is outside the batch of {b} rows")
         rows = stop - start
-        lengths = self.lengths()[:, start:stop]
-        offsets = np.zeros(self.num_features * rows + 1, dtype=np.int64)
-        np.cumsum(lengths.ravel(), out=offsets[1:])
+        # per feature, its offsets over the rows (F, rows+1), rebased to start at 0
+        starts = np.arange(self.num_features, dtype=np.int64)[:, None] * b
+        window = self.offsets[starts + np.arange(start, stop + 1)]
+        window -= window[:, :1]
+        feature_base = np.concatenate([[0], np.cumsum(window[:, -1])])
+        offsets = np.empty(self.num_features * rows + 1, dtype=np.int64)
+        offsets[:-1] = (window[:, :-1] + feature_base[:-1, None]).ravel()
+        offsets[-1] = feature_base[-1]
         values = np.concatenate(
             [self.values[self.offsets[f * b + start]: self.offsets[f * b + stop]]
              for f in range(self.num_features)] or [np.empty(0, np.uint64)])
