@@ -152,6 +152,21 @@ def test_each_system_pools_and_applies_its_update(system_class):
     assert system.bytes_per_row() > 0
 
 
+def _assert_train_alike(first, second, batches) -> None:
+    """Both systems give the same pooled rows before every step and after the last one,
+    when trained on the same batches with the same upstream gradient."""
+    gradient = torch.randn(TINY_SHAPE.batch_size, TINY_SHAPE.fields, TINY_SHAPE.dim)
+    for batch in batches:
+        inputs = (first.prepare(batch), second.prepare(batch))
+        outputs = (first.pooled(inputs[0]), second.pooled(inputs[1]))
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+        for system, output in zip((first, second), outputs):
+            output.backward(gradient)
+            system.step()
+    torch.testing.assert_close(first.pooled(inputs[0]), second.pooled(inputs[1]),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_torch_and_torchrec_peers_do_the_same_adagrad_work():
     """The comparison is fair only if both peers train identically: same start, same
     gradients, so the same rows after every step."""
@@ -162,16 +177,23 @@ def test_torch_and_torchrec_peers_do_the_same_adagrad_work():
     with torch.no_grad():
         for field, name in enumerate(TINY_SHAPE.feature_names):
             weights[f"embedding_bags.table_{name}.weight"].copy_(torch_peer.bags[field].weight)
-    gradient = torch.randn(TINY_SHAPE.batch_size, TINY_SHAPE.fields, TINY_SHAPE.dim)
-    for batch in make_sparse_batches(TINY_SHAPE, 3):
-        inputs = (torch_peer.prepare(batch), torchrec_peer.prepare(batch))
-        torch_out, torchrec_out = torch_peer.pooled(inputs[0]), torchrec_peer.pooled(inputs[1])
-        torch.testing.assert_close(torch_out, torchrec_out, rtol=1e-5, atol=1e-6)
-        for peer, out in ((torch_peer, torch_out), (torchrec_peer, torchrec_out)):
-            out.backward(gradient)
-            peer.step()
-    torch.testing.assert_close(torch_peer.pooled(inputs[0]), torchrec_peer.pooled(inputs[1]),
-                               rtol=1e-5, atol=1e-6)
+    _assert_train_alike(torch_peer, torchrec_peer, make_sparse_batches(TINY_SHAPE, 3))
+
+
+def test_hybridrec_does_the_same_adagrad_work_as_the_torch_peer():
+    """hybridrec's hashed uint64 rows, started from the torch peer's values for the same
+    keys, must stay equal to the peer's dense-id rows through several training steps."""
+    torch.manual_seed(0)
+    hybridrec = _build_or_skip(HybridrecSystem)
+    torch_peer = TorchEmbeddingBagSystem(TINY_SHAPE)
+    batches = make_sparse_batches(TINY_SHAPE, 3)
+    with torch.no_grad():  # give the torch peer hybridrec's initial row of every key
+        for field, name in enumerate(TINY_SHAPE.feature_names):
+            keys = np.concatenate([batch.keys[field] for batch in batches])
+            ids = np.concatenate([batch.dense_ids[field] for batch in batches])
+            rows = hybridrec.collection.stores[f"table_{name}"].pull(keys, insert=True)
+            torch_peer.bags[field].weight[torch.from_numpy(ids)] = torch.from_numpy(rows)
+    _assert_train_alike(hybridrec, torch_peer, batches)
 
 
 # ---- reports ----------------------------------------------------------------------------
