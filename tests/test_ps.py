@@ -96,6 +96,8 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(local_server
     with Client(local_server.address, timeout=10) as raw:
         with pytest.raises(RemoteError, match="'nope'.*item.*user"):
             raw.request("lookup", {"keys": np.array([1], np.uint64)}, {"table": "nope"})
+        with pytest.raises(RemoteError, match="'insert' must be true or false"):
+            raw.request("lookup", {"keys": np.array([1], np.uint64)}, {"table": "user", "insert": 1})
         with pytest.raises(RemoteError, match=r"grads.*\(2, 8\)"):
             raw.request("push", {"keys": np.array([1, 2], np.uint64),
                                  "values": np.ones((2, 3), np.float32)}, {"table": "user"})
@@ -107,6 +109,8 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(local_server
             client.push("user", np.array([1], np.uint64), np.full((1, 8), np.nan, np.float32))
         with pytest.raises(TypeError, match="uint64"):
             client.lookup("user", np.array([1, 2], np.int64))
+        with pytest.raises(ValueError, match="'nope' is not served"):
+            client.lookup("nope", np.array([1], np.uint64))
         assert client.lookup("user", np.array([1], np.uint64)).shape == (1, 8)
 
 
@@ -114,6 +118,20 @@ def test_shutdown_request_stops_the_server(local_server):
     with PSClient([local_server.address]) as client:
         client.shutdown()
     assert local_server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("how", ["shutdown request", "SIGTERM"])
+def test_server_process_exits_cleanly_when_asked(tmp_path, how):
+    process, address = start_server_process(tmp_path)
+    try:
+        if how == "SIGTERM":
+            process.terminate()
+        else:
+            with PSClient([address], timeout=30) as client:
+                client.shutdown()
+        assert process.wait(timeout=15) == 0
+    finally:
+        stop_process(process)
 
 
 def test_killed_shared_memory_server_restarts_with_every_acknowledged_update(tmp_path):

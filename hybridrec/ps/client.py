@@ -171,6 +171,7 @@ class PSClient:
     def lookup(self, table: str, keys: np.ndarray, insert: bool = True) -> np.ndarray:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
         keys = _check_keys(keys)
+        dim = self.dim(table)
         fanout = self._route(table, keys)
         meta = {"table": table, "insert": bool(insert), "codec": self.codec.name}
         shards = fanout.busy_shards()
@@ -179,7 +180,7 @@ class PSClient:
              for s in shards],
             idempotent=True,
         )
-        rows = np.empty((len(keys), self.dim(table)), dtype=np.float32)
+        rows = np.empty((len(keys), dim), dtype=np.float32)
         for s, reply in zip(shards, replies):
             encoded = Encoded(reply.meta.get("codec"), reply.arrays, reply.meta.get("codec_meta", {}))
             shard_rows = self.codec.decode(encoded)
