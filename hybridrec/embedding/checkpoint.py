@@ -127,15 +127,17 @@ def load(directory, shm_name: str | None = None, **overrides) -> EmbeddingStore:
     parts = _read_array(directory, manifest, "parts")
     sketch = _read_array(directory, manifest, "sketch")
     store = EmbeddingStore(config, shm_name=shm_name)
-    same_layout = (parts.shape == store.parts.shape and np.array_equal(parts[:, :4], store.parts[:, :4])
+    same_layout = (parts.shape == store.parts.shape and np.array_equal(parts[:, :2], store.parts[:, :2])
                    and sketch.shape == store.sketch.shape)
     if same_layout:
+        slots = store.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1].copy()
         store.parts[:] = parts
+        store.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1] = slots  # the index is rebuilt to fit below
         store.rows[store.live_rows()] = rows
         store.sketch[:] = sketch
-        bad = K.rebuild_index(store.r64, store.index, store.parts, config.meta_offset)
-        if bad >= 0:
-            raise ValueError(f"checkpoint: {directory} is corrupt (key of row {bad} appears twice)")
+        store._reserve(0, rebuild=True)
+        if len(np.unique(store.keys())) != len(store):
+            raise ValueError(f"checkpoint: {directory} is corrupt (a key appears in two rows)")
     else:
         insert_rows(store, rows)
     store.scalars[S_STEP] = manifest["step"]

@@ -189,15 +189,16 @@ class EmbeddingStore:
                 break
         raise ValueError(f"store {self._arena.name!r}: index of {total} slots fits no layout (corrupt?)")
 
-    def _reserve(self, n_new: int) -> None:
-        """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR."""
+    def _reserve(self, n_new: int, rebuild: bool = False) -> None:
+        """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR
+        (with `rebuild`, re-insert every live key even when the index keeps its size)."""
         gen = int(self.scalars[S_INDEX_GEN])
         sizes = self.parts[:, K.PT_SIZE]
         need = np.minimum(sizes + n_new, self.row_counts) / LOAD_FACTOR
         new_gen = gen
         while (slot_counts(self.row_counts, new_gen) < need).any():
             new_gen += 1
-        if new_gen == gen:
+        if new_gen == gen and not rebuild:
             return
         slots = slot_counts(self.row_counts, new_gen)
         self.scalars[S_DIRTY] = 1

@@ -1,0 +1,310 @@
+"""The job configuration: one YAML file describes data, model, embedding tables, training and
+strategy. It is validated completely at load time: unknown keys are refused with the closest
+valid name, bad values with what is allowed, and each message names the YAML file and line.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message lists every problem with its location."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ------------------------------------------------------------------------------------ data
+class SyntheticData(_Section):
+    """Criteo-like generated rows with a planted logistic model (see hybridrec.data.synthetic)."""
+
+    n_categorical: int = Field(26, ge=0)
+    n_dense: int = Field(13, ge=0)
+    n_multi_hot: int = Field(0, ge=0)
+    multi_hot_max_length: int = Field(5, ge=1)
+    vocab_size: int = Field(100_000, ge=1, le=2**32)
+    zipf_exponent: float = Field(1.05, gt=0)
+    id_weight_std: float = Field(0.2, ge=0)
+    dense_weight_std: float = Field(0.3, ge=0)
+    bias: float = -1.5
+    train_rows: int = Field(200_000, ge=1)
+    test_rows: int = Field(50_000, ge=1)
+
+
+class DataConfig(_Section):
+    format: Literal["synthetic", "criteo", "avazu", "tabular"] = "synthetic"
+    synthetic: SyntheticData = SyntheticData()
+    path: Optional[Union[str, list[str]]] = Field(None, description="train file(s); test rows come from the split")
+    test_path: Optional[Union[str, list[str]]] = None
+    train_rows: Optional[int] = Field(None, ge=1, description="first N rows train, the rest test")
+    test_fraction: Optional[float] = Field(None, gt=0, lt=1, description="the last fraction of rows is the test set")
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    batch_size: int = Field(4096, ge=1, le=1 << 24)
+    eval_batch_size: Optional[int] = Field(None, ge=1)
+    strict: bool = False
+    prefetch: int = Field(4, ge=0, le=64)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.format != "synthetic" and self.path is None:
+            raise ValueError(f"data.path is required for format {self.format!r}")
+        if self.format == "tabular" and self.schema_ is None:
+            raise ValueError("data.schema is required for format 'tabular' (labels, dense, categorical, ...)")
+        if self.format != "synthetic" and self.test_path is None and self.train_rows is None and self.test_fraction is None:
+            raise ValueError("say where test rows come from: data.test_path, data.train_rows or data.test_fraction")
+        if self.train_rows is not None and self.test_fraction is not None:
+            raise ValueError("data.train_rows and data.test_fraction exclude each other")
+        return self
+
+
+# ------------------------------------------------------------------------------------ model
+class ModelConfig(_Section):
+    name: Literal["lr", "fm", "wide_deep", "deepfm", "dcn", "dlrm"] = "deepfm"
+    embedding_dim: int = Field(16, ge=1, le=4096)
+    hparams: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_hparams(self):
+        from hybridrec.models import model_hparams
+
+        allowed = model_hparams(self.name)
+        for key in self.hparams:
+            if key not in allowed:
+                raise ValueError(f"model.hparams: {key!r} is not a hyper-parameter of {self.name!r}"
+                                 f"{_hint(key, allowed)}; allowed: {sorted(allowed) or 'none'}")
+        return self
+
+
+# ------------------------------------------------------------------------------------ embeddings
+class OptimizerSection(_Section):
+    """A sparse optimizer: name plus its hyper-parameters (checked by OptimizerConfig)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: Literal["sgd", "adagrad", "adam", "ftrl"] = "adagrad"
+    lr: Optional[float] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        from hybridrec.embedding import OptimizerConfig
+
+        OptimizerConfig.parse(self.as_dict())
+        return self
+
+    def as_dict(self) -> dict:
+        d = {"name": self.name, **(self.model_extra or {})}
+        if self.lr is not None:
+            d["lr"] = self.lr
+        return d
+
+
+class TableSection(_Section):
+    """Settings of embedding tables; every field of hybridrec.embedding.TableConfig but dim."""
+
+    capacity: int = Field(1_000_000, ge=1, le=2**31 - 2)
+    optimizer: OptimizerSection = OptimizerSection(name="adagrad", lr=0.05)
+    init: Union[str, dict[str, Any]] = "uniform"
+    seed: int = Field(0, ge=0)
+    eviction: Literal["lru", "lfu"] = "lru"
+    admit_probability: float = Field(1.0, gt=0, le=1)
+    admit_min_frequency: int = Field(1, ge=1, le=65535)
+    weight_bound: Optional[float] = Field(None, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    pooling: Literal["sum", "mean", "sqrtn"] = "sum"
+    num_threads: int = Field(1, ge=1, le=256)
+
+    @field_validator("init")
+    @classmethod
+    def _init(cls, v):
+        from hybridrec.embedding.table import parse_init
+
+        parse_init(v)
+        return v
+
+    def table_config(self, dim: int, seed_offset: int = 0):
+        from hybridrec.embedding import TableConfig
+
+        d = self.model_dump()
+        d["optimizer"] = self.optimizer.as_dict()
+        d["seed"] = self.seed + seed_offset
+        return TableConfig(dim=dim, **d)
+
+
+class SharedTable(TableSection):
+    features: list[str] = Field(min_length=1, description="sparse features that share this table")
+
+
+class EmbeddingSection(_Section):
+    default: TableSection = TableSection()
+    wide: Optional[TableSection] = Field(None, description="first-order (dim 1) tables; default: like `default`")
+    shared: dict[str, SharedTable] = Field(default_factory=dict, description="tables used by several features")
+    per_feature: dict[str, TableSection] = Field(default_factory=dict, description="settings for one feature's table")
+
+
+# ------------------------------------------------------------------------------------ training
+class DenseOptimizer(_Section):
+    name: Literal["adam", "adagrad", "sgd"] = "adam"
+    lr: float = Field(0.001, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(1, ge=1)
+    max_steps: Optional[int] = Field(None, ge=1)
+    dense_optimizer: DenseOptimizer = DenseOptimizer()
+    eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = at the end only")
+    log_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    output_dir: str = "runs/default"
+    threads: int = Field(1, ge=1, le=256)
+    deterministic: bool = True
+    progress: bool = True
+    tensorboard: bool = False
+
+
+class StrategyConfig(_Section):
+    name: Literal["local"] = "local"
+
+
+class JobConfig(_Section):
+    seed: int = Field(0, ge=0)
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    embedding: EmbeddingSection = EmbeddingSection()
+    train: TrainConfig = TrainConfig()
+    strategy: StrategyConfig = StrategyConfig()
+
+
+# ------------------------------------------------------------------------------------ loading
+def _hint(name, choices) -> str:
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section_type(annotation):
+    """The _Section class inside an annotation like Optional[X] or dict[str, X], and the kind."""
+    origin = typing.get_origin(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, "model"
+    if origin in (dict,):
+        args = typing.get_args(annotation)
+        inner, kind = _section_type(args[1]) if len(args) == 2 else (None, None)
+        return (inner, "dict") if kind == "model" else (None, None)
+    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+        for arg in typing.get_args(annotation):
+            inner, kind = _section_type(arg)
+            if inner is not None:
+                return inner, kind
+    return None, None
+
+
+def _unknown_keys(data, model: type[BaseModel], path: str, problems: list):
+    """Report keys the schema does not know, with the closest valid one."""
+    if not isinstance(data, dict):
+        return
+    if model.model_config.get("extra") == "allow":
+        return
+    fields = {}
+    for name, field in model.model_fields.items():
+        fields[field.alias or name] = field
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            problems.append((where, f"unknown key {key!r}{_hint(key, fields)}; allowed: {sorted(fields)}"))
+            continue
+        inner, kind = _section_type(fields[key].annotation)
+        if inner is None:
+            continue
+        if kind == "model":
+            _unknown_keys(value, inner, where, problems)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _unknown_keys(v, inner, f"{where}.{k}", problems)
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """Dotted key path -> 1-based line in the YAML text."""
+    lines: dict[str, int] = {}
+
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                where = f"{path}.{key_node.value}" if path else str(key_node.value)
+                lines[where] = key_node.start_mark.line + 1
+                walk(value_node, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{path}.{i}")
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _located(source: str, lines: dict[str, int], where: str) -> str:
+    probe = where
+    while probe and probe not in lines:
+        probe = probe.rpartition(".")[0]
+    return f"{source}:{lines[probe]}" if probe in lines else source
+
+
+def parse_config(data: dict, source: str = "<config>", text: str | None = None) -> JobConfig:
+    """Validate plain data into a JobConfig; ConfigError lists every problem with its place."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    lines = _line_map(text) if text else {}
+    problems: list = []
+    _unknown_keys(data, JobConfig, "", problems)
+    if not problems:
+        try:
+            return JobConfig.model_validate(data)
+        except ValidationError as exc:
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[")))
+                where = where.replace("schema_", "schema")
+                msg = err["msg"].removeprefix("Value error, ")
+                if err["type"] not in ("value_error", "assertion_error") and "input" in err:
+                    msg = f"{msg} (got {err['input']!r})"
+                if err["type"] == "literal_error":
+                    allowed = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+                    msg += _hint(err.get("input"), allowed)
+                problems.append((where, msg))
+    raise ConfigError("\n".join(f"{_located(source, lines, w)}: {w or '(top level)'}: {m}" for w, m in problems))
+
+
+def load_config(path, overrides: list[str] | None = None) -> JobConfig:
+    """Read and validate a YAML job file; `overrides` are 'a.b.c=value' strings (YAML values)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config: file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set: expected key.path=value, got {item!r}")
+        node = data if isinstance(data, dict) else {}
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(value)
+        data = data if isinstance(data, dict) else node
+    return parse_config(data, str(path), text)

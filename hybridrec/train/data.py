@@ -1,0 +1,87 @@
+"""Turns the `data` section of a job config into train and test batch sources.
+
+Knows each format's reader and how test rows are chosen (a separate file, the first N rows as
+train, or the last fraction). Also reports what the model needs to know about the data: sparse
+feature names, number of dense features and of tasks; and for synthetic data the planted
+model's AUC on the test rows, the best a learned model can expect.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from hybridrec.config import DataConfig
+from hybridrec.data import (AvazuReader, CriteoReader, DelimitedTextReader, ParquetReader, SyntheticConfig,
+                            SyntheticReader, TabularSchema, planted_auc, split_first_rows, split_fraction)
+from hybridrec.data.criteo import CRITEO_SCHEMA
+from hybridrec.data.avazu import avazu_schema
+from hybridrec.data.tabular import PARQUET_SUFFIXES
+
+
+@dataclasses.dataclass
+class DataSources:
+    train: Iterable
+    test: Iterable
+    sparse_names: list[str]
+    num_dense: int
+    label_names: list[str]
+    best_auc: float | None = None  # synthetic data only: the planted model's test AUC
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.label_names)
+
+
+def _synthetic_config(cfg: DataConfig) -> SyntheticConfig:
+    fields = cfg.synthetic.model_dump()
+    fields.pop("train_rows")
+    fields.pop("test_rows")
+    return SyntheticConfig(**fields)
+
+
+def _file_reader(cfg: DataConfig, paths, batch_size: int, rank: int, world_size: int):
+    common = dict(rank=rank, world_size=world_size, strict=cfg.strict)
+    if cfg.format == "criteo":
+        return CriteoReader(paths, batch_size, **common)
+    if cfg.format == "avazu":
+        return AvazuReader(paths, batch_size, **common)
+    schema = TabularSchema.from_dict(dict(cfg.schema_))
+    first = paths[0] if isinstance(paths, list) else paths
+    reader_cls = ParquetReader if str(first).lower().endswith(PARQUET_SUFFIXES) else DelimitedTextReader
+    return reader_cls(paths, schema, batch_size, **common)
+
+
+def _schema(cfg: DataConfig) -> TabularSchema:
+    if cfg.format == "criteo":
+        return CRITEO_SCHEMA
+    if cfg.format == "avazu":
+        return avazu_schema()
+    return TabularSchema.from_dict(dict(cfg.schema_))
+
+
+def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1,
+                  with_best_auc: bool = True) -> DataSources:
+    """Train and test sources for this rank (test is read whole by every rank)."""
+    eval_bs = cfg.eval_batch_size or cfg.batch_size
+    if cfg.format == "synthetic":
+        syn = _synthetic_config(cfg)
+        rows = cfg.synthetic.train_rows
+        train = SyntheticReader(syn, rows, cfg.batch_size, seed=seed, rank=rank, world_size=world_size)
+        test = SyntheticReader(syn, cfg.synthetic.test_rows, eval_bs, seed=seed, first_row=rows)
+        best = planted_auc(syn, cfg.synthetic.test_rows, seed=seed, first_row=rows) if with_best_auc else None
+        return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best)
+    schema = _schema(cfg)
+    if cfg.test_path is not None:
+        train = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
+        test = _file_reader(cfg, cfg.test_path, eval_bs, 0, 1)
+    else:
+        train_all = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
+        test_all = _file_reader(cfg, cfg.path, eval_bs, 0, 1)
+        if cfg.train_rows is not None:
+            train, _ = split_first_rows(train_all, cfg.train_rows)
+            _, test = split_first_rows(test_all, cfg.train_rows)
+        else:
+            total = test_all.count_rows()
+            train, _ = split_fraction(train_all, cfg.test_fraction, total)
+            _, test = split_fraction(test_all, cfg.test_fraction, total)
+    return DataSources(train, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels))

@@ -1,0 +1,141 @@
+"""The one training loop: read batches, forward, loss, backward (embedding optimizers run inside
+backward), dense optimizer step; evaluate on held-out data, log, checkpoint, resume.
+
+Distributed strategies plug in underneath (where embeddings live, how dense gradients are
+synchronised); this loop stays the same.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridrec.config import JobConfig
+from hybridrec.data import PrefetchLoader
+from hybridrec.train.checkpoint import latest_checkpoint, load_training, save_training
+from hybridrec.train.data import build_sources
+from hybridrec.train.metrics import MetricAccumulator
+from hybridrec.train.recmodel import RecModel
+from hybridrec.train.reporting import Reporter
+
+
+def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    try:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except (ImportError, ValueError):
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def dense_optimizer(cfg: JobConfig, params):
+    d = cfg.train.dense_optimizer
+    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[d.name]
+    return cls(params, lr=d.lr, weight_decay=d.weight_decay)
+
+
+def _labels(batch) -> torch.Tensor:
+    return torch.from_numpy(batch.labels)
+
+
+@torch.no_grad()
+def evaluate(model: RecModel, source, label_names) -> dict:
+    """Exact AUC, logloss and normalised entropy per task on every row of `source`."""
+    was_training = model.training
+    model.eval()
+    acc = MetricAccumulator(len(label_names), label_names if len(label_names) > 1 else None)
+    for batch in source:
+        acc.update(torch.sigmoid(model(batch)).numpy(), batch.labels)
+    model.train(was_training)
+    return acc.compute()
+
+
+def train(cfg: JobConfig, resume: bool = False, on_step=None) -> dict:
+    """Train as the config says; returns the final test metrics plus run facts."""
+    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
+    out_dir = Path(cfg.train.output_dir)
+    sources = build_sources(cfg.data, cfg.seed)
+    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
+    optimizer = dense_optimizer(cfg, model.dense_model.parameters())
+    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
+    if resume:
+        path = latest_checkpoint(out_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+        progress = load_training(path, model, optimizer)
+    reporter = Reporter(out_dir, cfg.train, total_steps=cfg.train.max_steps, resumed_step=progress["step"])
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    model.train()
+    max_steps = cfg.train.max_steps
+    train_seconds = 0.0
+    done = False
+    for epoch in range(progress["epoch"], cfg.train.epochs):
+        skip = progress["batch_in_epoch"] if epoch == progress["epoch"] else 0
+        loader = PrefetchLoader(sources.train, depth=cfg.data.prefetch) if cfg.data.prefetch else sources.train
+        try:
+            for index, batch in enumerate(loader):
+                if index < skip:
+                    continue  # resuming: these batches were trained before the checkpoint
+                start = time.perf_counter()
+                logits = model(batch)
+                loss = loss_fn(logits, _labels(batch))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                train_seconds += time.perf_counter() - start
+                progress.update(step=progress["step"] + 1, epoch=epoch, batch_in_epoch=index + 1,
+                                samples=progress["samples"] + batch.batch_size)
+                step = progress["step"]
+                reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).numpy(), batch.labels,
+                                    batch.batch_size)
+                if on_step is not None:
+                    on_step(step, model)
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    reporter.eval_result(step, evaluate(model, sources.test, sources.label_names))
+                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                    save_training(out_dir, model, optimizer, progress)
+                if max_steps is not None and step >= max_steps:
+                    done = True
+                    break
+        finally:
+            if isinstance(loader, PrefetchLoader):
+                loader.close()
+        if done:
+            break
+        progress.update(epoch=epoch + 1, batch_in_epoch=0)
+    final = evaluate(model, sources.test, sources.label_names)
+    save_training(out_dir, model, optimizer, progress)
+    result = {**final, "step": progress["step"], "samples": progress["samples"],
+              "train_samples_per_s": progress["samples"] / train_seconds if train_seconds else None,
+              "best_auc": sources.best_auc,
+              "embedding_rows": {c: sum(len(s) for s in col.stores.values())
+                                 for c, col in model.collections().items()}}
+    reporter.final(progress["step"], result)
+    reporter.close()
+    (out_dir / "final_metrics.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint) -> dict:
+    """Test metrics of a saved checkpoint (a step-N directory or an output dir's latest)."""
+    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
+    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
+    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
+    path = Path(checkpoint)
+    if not (path / "progress.json").is_file():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"--checkpoint: {path} holds no training checkpoint")
+        path = found
+    progress = load_training(path, model)
+    return {**evaluate(model, sources.test, sources.label_names), "step": progress["step"], "checkpoint": str(path)}

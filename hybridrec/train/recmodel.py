@@ -1,0 +1,70 @@
+"""RecModel: a whole CTR model, embeddings plus dense part, built from a job config.
+
+The embedding side comes from the strategy (local stores here; remote PS shards or
+model-parallel shards in distributed strategies) as modules with `forward_stacked(features)`.
+The deep embeddings have the model's embedding_dim per feature; models that need first-order
+terms (LR, FM, Wide&Deep, DeepFM) also get one dim-1 table per feature.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridrec.config import JobConfig, TableSection
+from hybridrec.embedding import EmbeddingCollection
+from hybridrec.models import build_model, model_class
+
+
+def embedding_tables(cfg: JobConfig, sparse_names: list[str], dim: int, wide: bool):
+    """(tables, feature_to_table) for the deep (wide=False) or first-order (wide=True) side."""
+    emb = cfg.embedding
+    base = (emb.wide or emb.default) if wide else emb.default
+    suffix = ":wide" if wide else ""
+    tables, mapping = {}, {}
+    shared_of = {f: name for name, t in emb.shared.items() for f in t.features}
+    unknown = [f for f in list(shared_of) + list(emb.per_feature) if f not in sparse_names]
+    if unknown:
+        raise ValueError(f"embedding: features {unknown} are not sparse features of the data; those are {sparse_names}")
+    for i, feature in enumerate(sparse_names):
+        if feature in shared_of:
+            name = shared_of[feature] + suffix
+            section = emb.shared[shared_of[feature]] if not wide else base
+        else:
+            name = feature + suffix
+            section = emb.per_feature.get(feature, base) if not wide else base
+        if name not in tables:
+            settings = TableSection(**section.model_dump(exclude={"features"}))
+            # each table gets its own seed so equal keys in different tables start differently
+            tables[name] = settings.table_config(dim, seed_offset=1000 * len(tables) + (500 if wide else 0))
+        mapping[feature] = name
+    return tables, mapping
+
+
+class RecModel(torch.nn.Module):
+    """Embeddings and dense model; `forward(batch) -> logits [B, num_tasks]`."""
+
+    def __init__(self, cfg: JobConfig, sparse_names: list[str], num_dense: int, num_tasks: int,
+                 shm_prefix: str | None = None):
+        super().__init__()
+        m = cfg.model
+        cls = model_class(m.name)
+        self.sparse_names = list(sparse_names)
+        self.dense_model = build_model(m.name, num_sparse=len(sparse_names), embedding_dim=m.embedding_dim,
+                                       num_dense=num_dense, num_tasks=num_tasks, **m.hparams)
+        self.deep = None
+        self.wide = None
+        if cls.needs_deep:
+            tables, mapping = embedding_tables(cfg, sparse_names, m.embedding_dim, wide=False)
+            self.deep = EmbeddingCollection(tables, mapping, shm_prefix=shm_prefix)
+        if cls.needs_wide:
+            tables, mapping = embedding_tables(cfg, sparse_names, 1, wide=True)
+            self.wide = EmbeddingCollection(tables, mapping, shm_prefix=shm_prefix and shm_prefix + "-wide")
+
+    def collections(self) -> dict:
+        return {name: c for name, c in (("deep", self.deep), ("wide", self.wide)) if c is not None}
+
+    def forward(self, batch) -> torch.Tensor:
+        feats = batch.sparse
+        deep = self.deep.forward_stacked(feats, self.sparse_names) if self.deep is not None else None
+        wide = self.wide.forward_stacked(feats, self.sparse_names).squeeze(-1) if self.wide is not None else None
+        dense = torch.from_numpy(batch.dense) if batch.dense.shape[1] else None
+        return self.dense_model(deep, wide, dense)

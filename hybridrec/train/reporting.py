@@ -1,0 +1,79 @@
+"""What a training run tells the user: a progress bar with live loss and AUC, metrics as JSON
+lines in `<output_dir>/metrics.jsonl`, and TensorBoard scalars when TensorBoard is installed."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridrec.train.metrics import auc
+
+_WINDOW = 50  # batches in the running training AUC
+
+
+class Reporter:
+    def __init__(self, output_dir, train_cfg, total_steps=None, resumed_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_every = train_cfg.log_every
+        self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        self._window: list = []
+        self._samples = 0
+        self._t0 = time.perf_counter()
+        self._bar = None
+        if train_cfg.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resumed_step, unit="step", dynamic_ncols=True, leave=True)
+        self._tb = None
+        if train_cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed; metrics go to metrics.jsonl only")
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step" and not (isinstance(value, float) and math.isnan(value)):
+                    self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
+
+    def train_step(self, step: int, loss: float, probs: np.ndarray, labels: np.ndarray, batch_size: int) -> None:
+        self._window.append((loss, probs[:, 0].copy(), labels[:, 0].copy()))
+        del self._window[:-_WINDOW]
+        self._samples += batch_size
+        if self._bar is not None:
+            self._bar.update(1)
+        if step % self.log_every == 0:
+            elapsed = time.perf_counter() - self._t0
+            run_auc = auc(np.concatenate([w[2] for w in self._window]), np.concatenate([w[1] for w in self._window]))
+            run_loss = float(np.mean([w[0] for w in self._window]))
+            record = {"split": "train", "step": step, "loss": run_loss, "auc": run_auc,
+                      "samples_per_s": self._samples / elapsed if elapsed > 0 else None}
+            self._write(record)
+            if self._bar is not None:
+                self._bar.set_postfix(loss=f"{run_loss:.4f}", auc=f"{run_auc:.4f}")
+
+    def eval_result(self, step: int, metrics: dict) -> None:
+        self._write({"split": "test", "step": step, **metrics})
+        if self._bar is not None:
+            self._bar.write(f"step {step}: test " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
+                                                               if isinstance(v, float)))
+
+    def final(self, step: int, result: dict) -> None:
+        self._write({"split": "final", "step": step, **{k: v for k, v in result.items()
+                                                         if isinstance(v, (int, float)) or v is None}})
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
