@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -180,3 +181,28 @@ def test_checkpoint_then_load_restores_the_rows_of_the_checkpoint(local_server, 
             client.load(tmp_path / "elsewhere")
         client.load(tmp_path / "ckpt")
         np.testing.assert_array_equal(client.lookup("user", keys, insert=False), saved)
+
+
+def test_concurrent_clients_on_a_threaded_server_lose_no_push(local_server):
+    keys = [np.arange(k * 1000, (k + 1) * 1000, dtype=np.uint64) for k in range(4)]
+    with PSClient([local_server.address]) as client:
+        before = [client.lookup("user", k) for k in keys]
+    errors = []
+
+    def push_twice(k):
+        try:
+            with PSClient([local_server.address], timeout=30) as own:
+                for _ in range(2):
+                    own.push("user", k, np.ones((len(k), 8), np.float32))
+        except Exception as error:  # surfaced below; a thread cannot fail the test itself
+            errors.append(error)
+
+    threads = [threading.Thread(target=push_twice, args=(k,), daemon=True) for k in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    with PSClient([local_server.address]) as client:
+        for k, rows in zip(keys, before):  # sgd, lr 0.5, two pushes of ones: every row moved by -1
+            np.testing.assert_allclose(client.lookup("user", k, insert=False), rows - 1.0, atol=1e-6)
