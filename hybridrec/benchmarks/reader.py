@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", type=Path,
                         help="Criteo-layout TSV files (default: the shared Criteo sample "
-                             "when present)")
+                             "when present; --synthetic adds its file to these)")
     parser.add_argument("--batch-size", type=positive_int, default=4096)
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed passes per system; the median is reported (default 5)")
@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     single_thread()
     paths = list(args.paths)
-    if not paths and args.synthetic is None:
-        if not CRITEO_SAMPLE.exists():
-            raise SystemExit(f"no file given and the Criteo sample {CRITEO_SAMPLE} is absent")
+    if not paths and CRITEO_SAMPLE.exists():
         paths.append(CRITEO_SAMPLE)
+    if not paths and args.synthetic is None:
+        raise SystemExit(f"no file given, no --synthetic, and the Criteo sample "
+                         f"{CRITEO_SAMPLE} is absent")
     for path in paths:
         if not path.is_file():
             raise SystemExit(f"data file {str(path)!r} does not exist")
