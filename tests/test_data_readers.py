@@ -230,3 +230,16 @@ def test_dense_numbers_in_every_decimal_spelling_and_rejects_the_rest(tmp_path):
     np.testing.assert_allclose(batch.dense[:, 0], [1000, -2.5, 0.5, 7, 5, 0.025, 0], rtol=1e-6)
     assert reader.bad_rows.count == len(bad)
     assert [b.value for b in reader.bad_rows.examples] == bad[:5]
+
+
+def test_crlf_endings_and_a_missing_final_newline_change_nothing(tmp_path):
+    lines = [criteo_line(str(i % 2), categorical=[f"{i:08x}"] * 26) for i in range(5)]
+    unix = one_batch(CriteoReader(write(tmp_path / "u.tsv", lines), batch_size=2))
+    windows = "".join(lines).replace("\n", "\r\n").rstrip("\r\n")
+    (tmp_path / "w.tsv").write_bytes(windows.encode())
+    reader = CriteoReader(tmp_path / "w.tsv", batch_size=2, chunk_bytes=300)
+    crlf = one_batch(reader)
+    assert reader.bad_rows.count == 0
+    np.testing.assert_array_equal(crlf.sparse.values, unix.sparse.values)
+    np.testing.assert_array_equal(crlf.labels, unix.labels)
+    assert [len(b) for b in CriteoReader(tmp_path / "w.tsv", 2, drop_last=True)] == [2, 2]
