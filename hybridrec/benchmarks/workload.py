@@ -30,10 +30,11 @@ def mix64(values: np.ndarray, salt: int | np.ndarray) -> np.ndarray:
     if isinstance(salt, (int, np.integer)) and not 0 <= int(salt) < 2**64:
         raise ValueError(f"salt must be in [0, 2**64), got {salt}")
     salts = np.asarray(salt, dtype=np.uint64)
-    mixed = np.asarray(values, dtype=np.uint64) + salts * _GOLDEN_GAMMA
-    mixed = (mixed ^ (mixed >> np.uint64(30))) * _MIX_MULTIPLIER_1
-    mixed = (mixed ^ (mixed >> np.uint64(27))) * _MIX_MULTIPLIER_2
-    return mixed ^ (mixed >> np.uint64(31))
+    with np.errstate(over="ignore"):  # wrapping mod 2**64 is the point
+        mixed = np.asarray(values, dtype=np.uint64) + salts * _GOLDEN_GAMMA
+        mixed = (mixed ^ (mixed >> np.uint64(30))) * _MIX_MULTIPLIER_1
+        mixed = (mixed ^ (mixed >> np.uint64(27))) * _MIX_MULTIPLIER_2
+        return mixed ^ (mixed >> np.uint64(31))
 
 
 @dataclass(frozen=True)
