@@ -73,16 +73,20 @@ class ModelConfig(_Section):
     embedding_dim: int = Field(16, ge=1, le=4096)
     hparams: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _known_hparams(self):
+    @field_validator("hparams")
+    @classmethod
+    def _known_hparams(cls, hparams, info):
         from hybridrec.models import model_hparams
 
-        allowed = model_hparams(self.name)
-        for key in self.hparams:
+        name = info.data.get("name")
+        if name is None:  # the name itself is wrong; that error is reported
+            return hparams
+        allowed = model_hparams(name)
+        for key in hparams:
             if key not in allowed:
-                raise ValueError(f"model.hparams: {key!r} is not a hyper-parameter of {self.name!r}"
+                raise ValueError(f"{key!r} is not a hyper-parameter of model {name!r}"
                                  f"{_hint(key, allowed)}; allowed: {sorted(allowed) or 'none'}")
-        return self
+        return hparams
 
 
 # ------------------------------------------------------------------------------------ embeddings
@@ -144,8 +148,11 @@ class SharedTable(TableSection):
 
 
 class EmbeddingSection(_Section):
+    """Embedding tables: `default` settings for every table; `wide`, `shared` and `per_feature`
+    sections change only the fields they name (the rest come from `default`)."""
+
     default: TableSection = TableSection()
-    wide: Optional[TableSection] = Field(None, description="first-order (dim 1) tables; default: like `default`")
+    wide: Optional[TableSection] = Field(None, description="first-order (dim 1) tables: changes to `default`")
     shared: dict[str, SharedTable] = Field(default_factory=dict, description="tables used by several features")
     per_feature: dict[str, TableSection] = Field(default_factory=dict, description="settings for one feature's table")
 
@@ -259,30 +266,78 @@ def _located(source: str, lines: dict[str, int], where: str) -> str:
     return f"{source}:{lines[probe]}" if probe in lines else source
 
 
-def parse_config(data: dict, source: str = "<config>", text: str | None = None) -> JobConfig:
-    """Validate plain data into a JobConfig; ConfigError lists every problem with its place."""
+def parse_config(data: dict, source: str = "<config>", text: str | None = None,
+                 overrides: dict[str, str] | None = None) -> JobConfig:
+    """Validate plain data into a JobConfig; ConfigError lists every problem with its place.
+
+    `overrides` maps dotted keys set on the command line to their `--set` text, so problems
+    there are reported as coming from `--set`, not from the file."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
     lines = _line_map(text) if text else {}
+    overrides = overrides or {}
     problems: list = []
     _unknown_keys(data, JobConfig, "", problems)
-    if not problems:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[")))
+            where = where.replace("schema_", "schema")
+            if err["type"] == "extra_forbidden" and any(w == where for w, _ in problems):
+                continue  # already reported with the closest valid name
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] not in ("value_error", "assertion_error") and "input" in err:
+                msg = f"{msg} (got {err['input']!r})"
+            if err["type"] == "literal_error":
+                allowed = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+                msg += _hint(err.get("input"), allowed)
+            problems.append((where, msg))
+    raise ConfigError("\n".join(f"{_place(source, lines, overrides, w)}: {w or '(top level)'}: {m}"
+                                 for w, m in problems))
+
+
+def _place(source: str, lines: dict[str, int], overrides: dict[str, str], where: str) -> str:
+    """'--set KEY=VALUE' when `where` (or a section above it) was set on the command line,
+    else 'file:line' of the closest enclosing key in the YAML."""
+    probe = where
+    while probe:
+        if probe in overrides:
+            return f"--set {overrides[probe]}"
+        probe = probe.rpartition(".")[0]
+    for key, item in overrides.items():
+        if key.startswith(where + ".") and where:
+            return f"--set {item}"
+    return _located(source, lines, where)
+
+
+def apply_overrides(data, overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    """Apply 'a.b.c=value' strings (values parsed as YAML) to config data; returns the new data
+    and {dotted key: the override text} for error messages."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"--set: the config's top level must be a mapping, got {type(data).__name__}")
+    applied: dict[str, str] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set: expected KEY.PATH=VALUE (e.g. train.epochs=2), got {item!r}")
         try:
-            return JobConfig.model_validate(data)
-        except ValidationError as exc:
-            for err in exc.errors():
-                where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[")))
-                where = where.replace("schema_", "schema")
-                msg = err["msg"].removeprefix("Value error, ")
-                if err["type"] not in ("value_error", "assertion_error") and "input" in err:
-                    msg = f"{msg} (got {err['input']!r})"
-                if err["type"] == "literal_error":
-                    allowed = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-                    msg += _hint(err.get("input"), allowed)
-                problems.append((where, msg))
-    raise ConfigError("\n".join(f"{_located(source, lines, w)}: {w or '(top level)'}: {m}" for w, m in problems))
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item}: the value is not valid YAML: {exc}") from None
+        node = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+        node[parts[-1]] = parsed
+        applied[key] = item
+    return data, applied
 
 
 def load_config(path, overrides: list[str] | None = None) -> JobConfig:
@@ -295,16 +350,10 @@ def load_config(path, overrides: list[str] | None = None) -> JobConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set: expected key.path=value, got {item!r}")
-        node = data if isinstance(data, dict) else {}
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(value)
-        data = data if isinstance(data, dict) else node
-    return parse_config(data, str(path), text)
+    if overrides:
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        data, applied = apply_overrides(data, overrides)
+    else:
+        applied = {}
+    return parse_config(data, str(path), text, applied)
