@@ -4,6 +4,8 @@ random-number state, written together so that `--resume` continues exactly where
 Layout: `<output_dir>/checkpoints/step-<N>/` with `dense.pt` (model + optimizer state dicts and
 torch RNG state), `progress.json` (step, epoch, batch within the epoch, samples seen) and
 `embeddings/<collection>/<table>/` (store checkpoints, see hybridrec.embedding.checkpoint).
+`progress.json` also records the settings that fix the batch order and the model's shape, and
+resuming with different ones is refused (they would silently train something else).
 A checkpoint directory is complete once `progress.json` exists; it is written last, after the
 directory was assembled under a temporary name and renamed into place. `latest` names the newest.
 """
@@ -16,16 +18,35 @@ from pathlib import Path
 
 import torch
 
+from hybridrec.config import ConfigError
 from hybridrec.embedding.checkpoint import load as load_store
 
 PROGRESS = "progress.json"
+# config keys a resumed run must share with the run that wrote the checkpoint: they decide which
+# batches come in which order and what shape the model has (capacity, epochs, lrs may change)
+RESUME_KEYS = ("seed", "data.format", "data.synthetic", "data.path", "data.schema", "data.train_rows",
+               "data.test_fraction", "data.batch_size", "model", "embedding.default.init",
+               "embedding.default.seed")
+
+
+def resume_identity(cfg) -> dict:
+    """The values of RESUME_KEYS in `cfg` (JSON-ready)."""
+    dumped = cfg.model_dump(mode="json", by_alias=True)
+    out = {}
+    for key in RESUME_KEYS:
+        node = dumped
+        for part in key.split("."):
+            node = node[part]
+        out[key] = node
+    return out
 
 
 def checkpoint_root(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save_training(output_dir, model, optimizer, progress: dict) -> Path:
+def save_training(output_dir, model, optimizer, progress: dict, cfg=None) -> Path:
+    """Write a complete checkpoint of the run at `progress['step']` and point `latest` at it."""
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{progress['step']:09d}"
@@ -37,7 +58,8 @@ def save_training(output_dir, model, optimizer, progress: dict) -> Path:
     for cname, collection in model.collections().items():
         for tname, store in collection.stores.items():
             store.save(tmp / "embeddings" / cname / tname.replace(":", "_"))
-    (tmp / PROGRESS).write_text(json.dumps(progress))
+    record = {**progress, "identity": resume_identity(cfg)} if cfg is not None else dict(progress)
+    (tmp / PROGRESS).write_text(json.dumps(record))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     (root / "latest.tmp").write_text(final.name)
@@ -46,6 +68,7 @@ def save_training(output_dir, model, optimizer, progress: dict) -> Path:
 
 
 def latest_checkpoint(output_dir) -> Path | None:
+    """The newest complete checkpoint under `output_dir` (or None)."""
     root = checkpoint_root(output_dir)
     pointer = root / "latest"
     if pointer.is_file():
@@ -56,12 +79,22 @@ def latest_checkpoint(output_dir) -> Path | None:
     return done[-1] if done else None
 
 
-def load_training(path, model, optimizer=None) -> dict:
-    """Restore a checkpoint into `model` (and `optimizer`); returns its progress record."""
+def load_training(path, model, optimizer=None, cfg=None) -> dict:
+    """Restore a checkpoint into `model` (and `optimizer`); returns its progress record.
+
+    With `cfg`, refuses (ConfigError) a checkpoint written under different RESUME_KEYS values."""
     path = Path(path)
     if not (path / PROGRESS).is_file():
         raise FileNotFoundError(f"checkpoint: {path} is not a complete training checkpoint (no {PROGRESS})")
-    state = torch.load(path / "dense.pt", weights_only=False)
+    record = json.loads((path / PROGRESS).read_text())
+    saved = record.pop("identity", None)
+    if cfg is not None and saved is not None:
+        now = resume_identity(cfg)
+        changed = [f"{k}: checkpoint {saved.get(k)!r}, config {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        if changed:
+            raise ConfigError(f"resume: {path} was trained with other settings; resuming would not continue "
+                              f"that run. Differences: " + "; ".join(changed))
+    state = torch.load(path / "dense.pt", weights_only=True)
     model.dense_model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -71,7 +104,7 @@ def load_training(path, model, optimizer=None) -> dict:
             directory = path / "embeddings" / cname / tname.replace(":", "_")
             loaded = load_store(directory, **_layout_of(store))
             collection.stores[tname] = loaded
-    return json.loads((path / PROGRESS).read_text())
+    return record
 
 
 def _layout_of(store) -> dict:

@@ -26,10 +26,18 @@ class DataSources:
     num_dense: int
     label_names: list[str]
     best_auc: float | None = None  # synthetic data only: the planted model's test AUC
+    train_reader: object = None  # the file readers under train/test (they count bad rows)
+    test_reader: object = None
 
     @property
     def num_tasks(self) -> int:
         return len(self.label_names)
+
+    def bad_rows(self) -> dict:
+        """Rows the file readers skipped as malformed in their latest pass (train: the last epoch;
+        test: the last evaluation, which with a row split reads the whole file)."""
+        return {split: getattr(getattr(reader, "bad_rows", None), "count", 0)
+                for split, reader in (("train", self.train_reader), ("test", self.test_reader))}
 
 
 def _synthetic_config(cfg: DataConfig) -> SyntheticConfig:
@@ -71,17 +79,18 @@ def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1
         best = planted_auc(syn, cfg.synthetic.test_rows, seed=seed, first_row=rows) if with_best_auc else None
         return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best)
     schema = _schema(cfg)
+    train_reader = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
     if cfg.test_path is not None:
-        train = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
-        test = _file_reader(cfg, cfg.test_path, eval_bs, 0, 1)
+        test_reader = _file_reader(cfg, cfg.test_path, eval_bs, 0, 1)
+        train, test = train_reader, test_reader
     else:
-        train_all = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
-        test_all = _file_reader(cfg, cfg.path, eval_bs, 0, 1)
+        test_reader = _file_reader(cfg, cfg.path, eval_bs, 0, 1)
         if cfg.train_rows is not None:
-            train, _ = split_first_rows(train_all, cfg.train_rows)
-            _, test = split_first_rows(test_all, cfg.train_rows)
+            train, _ = split_first_rows(train_reader, cfg.train_rows)
+            _, test = split_first_rows(test_reader, cfg.train_rows)
         else:
-            total = test_all.count_rows()
-            train, _ = split_fraction(train_all, cfg.test_fraction, total)
-            _, test = split_fraction(test_all, cfg.test_fraction, total)
-    return DataSources(train, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels))
+            total = test_reader.count_rows()
+            train, _ = split_fraction(train_reader, cfg.test_fraction, total)
+            _, test = split_fraction(test_reader, cfg.test_fraction, total)
+    return DataSources(train, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels),
+                       train_reader=train_reader, test_reader=test_reader)

@@ -60,68 +60,86 @@ def evaluate(model: RecModel, source, label_names) -> dict:
     return acc.compute()
 
 
+def _open_checkpoint(out_dir: Path, resume: bool):
+    """The checkpoint to resume from (None for a fresh run); refuses to mix two runs in one dir."""
+    found = latest_checkpoint(out_dir)
+    if resume and found is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+    if not resume and found is not None:
+        raise FileExistsError(f"train.output_dir {str(out_dir)!r} already holds a run's checkpoints ({found.name}); "
+                              f"pass --resume to continue it, or choose another train.output_dir "
+                              f"(--set train.output_dir=...) or delete that directory")
+    return found
+
+
 def train(cfg: JobConfig, resume: bool = False, on_step=None) -> dict:
-    """Train as the config says; returns the final test metrics plus run facts."""
+    """Train as the config says; returns the final test metrics plus run facts.
+
+    A fresh run refuses an output_dir that already holds checkpoints (it would mix two runs);
+    `resume=True` continues from the latest one and ends exactly as an uninterrupted run would.
+    `on_step(step, model)` is called after every training step.
+    """
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
     out_dir = Path(cfg.train.output_dir)
     sources = build_sources(cfg.data, cfg.seed)
     model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
     optimizer = dense_optimizer(cfg, model.dense_model.parameters())
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
-    if resume:
-        path = latest_checkpoint(out_dir)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
-        progress = load_training(path, model, optimizer)
-    reporter = Reporter(out_dir, cfg.train, total_steps=cfg.train.max_steps, resumed_step=progress["step"])
+    checkpoint = _open_checkpoint(out_dir, resume)
+    if checkpoint is not None:
+        progress = load_training(checkpoint, model, optimizer, cfg)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    model.train()
     max_steps = cfg.train.max_steps
-    train_seconds = 0.0
-    done = False
-    for epoch in range(progress["epoch"], cfg.train.epochs):
-        skip = progress["batch_in_epoch"] if epoch == progress["epoch"] else 0
-        loader = PrefetchLoader(sources.train, depth=cfg.data.prefetch) if cfg.data.prefetch else sources.train
-        try:
-            for index, batch in enumerate(loader):
-                if index < skip:
-                    continue  # resuming: these batches were trained before the checkpoint
-                start = time.perf_counter()
-                logits = model(batch)
-                loss = loss_fn(logits, _labels(batch))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                train_seconds += time.perf_counter() - start
-                progress.update(step=progress["step"] + 1, epoch=epoch, batch_in_epoch=index + 1,
-                                samples=progress["samples"] + batch.batch_size)
-                step = progress["step"]
-                reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).numpy(), batch.labels,
-                                    batch.batch_size)
-                if on_step is not None:
-                    on_step(step, model)
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    reporter.eval_result(step, evaluate(model, sources.test, sources.label_names))
-                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                    save_training(out_dir, model, optimizer, progress)
-                if max_steps is not None and step >= max_steps:
-                    done = True
-                    break
-        finally:
-            if isinstance(loader, PrefetchLoader):
-                loader.close()
-        if done:
-            break
-        progress.update(epoch=epoch + 1, batch_in_epoch=0)
-    final = evaluate(model, sources.test, sources.label_names)
-    save_training(out_dir, model, optimizer, progress)
-    result = {**final, "step": progress["step"], "samples": progress["samples"],
-              "train_samples_per_s": progress["samples"] / train_seconds if train_seconds else None,
-              "best_auc": sources.best_auc,
-              "embedding_rows": {c: sum(len(s) for s in col.stores.values())
-                                 for c, col in model.collections().items()}}
-    reporter.final(progress["step"], result)
-    reporter.close()
+    done = max_steps is not None and progress["step"] >= max_steps
+    train_seconds, samples_this_run = 0.0, 0  # wall time of training steps, data waits included
+    model.train()
+    with Reporter(out_dir, cfg.train, total_steps=max_steps, resumed_step=progress["step"],
+                  append=checkpoint is not None) as reporter:
+        for epoch in range(progress["epoch"], cfg.train.epochs):
+            if done:
+                break
+            skip = progress["batch_in_epoch"] if epoch == progress["epoch"] else 0
+            with PrefetchLoader(sources.train, depth=max(cfg.data.prefetch, 1)) as loader:
+                batches = loader if cfg.data.prefetch else sources.train  # prefetch 0: this thread reads
+                tick = time.perf_counter()
+                for index, batch in enumerate(batches):
+                    if index < skip:  # resuming: these batches were trained before the checkpoint
+                        tick = time.perf_counter()
+                        continue
+                    logits = model(batch)
+                    loss = loss_fn(logits, _labels(batch))
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()  # also applies the embedding optimizers
+                    optimizer.step()
+                    train_seconds += time.perf_counter() - tick
+                    samples_this_run += batch.batch_size
+                    progress.update(step=progress["step"] + 1, epoch=epoch, batch_in_epoch=index + 1,
+                                    samples=progress["samples"] + batch.batch_size)
+                    step = progress["step"]
+                    reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).numpy(), batch.labels,
+                                        batch.batch_size)
+                    if on_step is not None:
+                        on_step(step, model)
+                    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                        reporter.eval_result(step, evaluate(model, sources.test, sources.label_names))
+                    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                        save_training(out_dir, model, optimizer, progress, cfg)
+                    if max_steps is not None and step >= max_steps:
+                        done = True
+                        break
+                    tick = time.perf_counter()
+            if not done:
+                progress.update(epoch=epoch + 1, batch_in_epoch=0)
+        # checkpoint before the final evaluation: evaluating reads the stores, and a resumed run
+        # must start from the state training left, whatever was evaluated in between
+        save_training(out_dir, model, optimizer, progress, cfg)
+        result = {**evaluate(model, sources.test, sources.label_names),
+                  "step": progress["step"], "samples": progress["samples"],
+                  "train_samples_per_s": samples_this_run / train_seconds if train_seconds else None,
+                  "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(),
+                  "embedding_rows": {c: sum(len(s) for s in col.stores.values())
+                                     for c, col in model.collections().items()}}
+        reporter.final(progress["step"], result)
     (out_dir / "final_metrics.json").write_text(json.dumps(result, indent=1))
     return result
 

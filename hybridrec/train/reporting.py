@@ -15,11 +15,14 @@ _WINDOW = 50  # batches in the running training AUC
 
 
 class Reporter:
-    def __init__(self, output_dir, train_cfg, total_steps=None, resumed_step: int = 0):
+    """Use as a context manager (`with Reporter(...) as reporter:`) so files are closed on errors.
+    A fresh run starts `metrics.jsonl` anew; a resumed one (`append=True`) adds to it."""
+
+    def __init__(self, output_dir, train_cfg, total_steps=None, resumed_step: int = 0, append: bool = False):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_every = train_cfg.log_every
-        self._jsonl = open(self.dir / "metrics.jsonl", "a")
+        self._jsonl = open(self.dir / "metrics.jsonl", "a" if append else "w")
         self._window: list = []
         self._samples = 0
         self._t0 = time.perf_counter()
@@ -70,6 +73,12 @@ class Reporter:
     def final(self, step: int, result: dict) -> None:
         self._write({"split": "final", "step": step, **{k: v for k, v in result.items()
                                                          if isinstance(v, (int, float)) or v is None}})
+
+    def __enter__(self) -> "Reporter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._bar is not None:
