@@ -14,25 +14,47 @@ from hybridrec.embedding import EmbeddingCollection
 from hybridrec.models import build_model, model_class
 
 
+def _settings(default: TableSection, section: TableSection | None) -> TableSection:
+    """`default` with the fields that `section` sets explicitly (per-feature, shared and wide
+    sections override the default table's settings; they do not start from scratch)."""
+    if section is None or section is default:
+        return default
+    fields = default.model_dump()
+    fields.update({k: getattr(section, k) for k in section.model_fields_set if k in TableSection.model_fields})
+    fields["optimizer"] = _optimizer(default.optimizer, section.optimizer if "optimizer" in section.model_fields_set
+                                     else None)
+    return TableSection(**fields)
+
+
+def _optimizer(default, section) -> dict:
+    """A table's optimizer: `default` with the hyper-parameters `section` sets, or `section`
+    alone when it names another optimizer."""
+    if section is None:
+        return default.as_dict()
+    if "name" in section.model_fields_set and section.name != default.name:
+        return section.as_dict()
+    return {**default.as_dict(), **{k: v for k, v in section.as_dict().items() if k != "name"},
+            "name": default.name}
+
+
 def embedding_tables(cfg: JobConfig, sparse_names: list[str], dim: int, wide: bool):
     """(tables, feature_to_table) for the deep (wide=False) or first-order (wide=True) side."""
     emb = cfg.embedding
-    base = (emb.wide or emb.default) if wide else emb.default
     suffix = ":wide" if wide else ""
     tables, mapping = {}, {}
     shared_of = {f: name for name, t in emb.shared.items() for f in t.features}
     unknown = [f for f in list(shared_of) + list(emb.per_feature) if f not in sparse_names]
     if unknown:
         raise ValueError(f"embedding: features {unknown} are not sparse features of the data; those are {sparse_names}")
-    for i, feature in enumerate(sparse_names):
+    for feature in sparse_names:
         if feature in shared_of:
             name = shared_of[feature] + suffix
-            section = emb.shared[shared_of[feature]] if not wide else base
+            section = emb.wide if wide else emb.shared[shared_of[feature]]
         else:
             name = feature + suffix
-            section = emb.per_feature.get(feature, base) if not wide else base
+            section = emb.wide if wide else emb.per_feature.get(feature)
         if name not in tables:
-            settings = TableSection(**section.model_dump(exclude={"features"}))
+            settings = _settings(emb.default, section)
             # each table gets its own seed so equal keys in different tables start differently
             tables[name] = settings.table_config(dim, seed_offset=1000 * len(tables) + (500 if wide else 0))
         mapping[feature] = name
