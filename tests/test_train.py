@@ -1,0 +1,200 @@
+"""Tests of the training loop: a small run learns and leaves metrics and a checkpoint; a run
+interrupted after a checkpoint and resumed ends bit-identical to an uninterrupted one; a
+checkpoint evaluates to the run's final AUC; several label columns train as several tasks;
+malformed CSV rows are counted and skipped; misuse of output directories is refused."""
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.config import ConfigError, parse_config
+from hybridrec.train.checkpoint import latest_checkpoint, load_training
+from hybridrec.train.data import build_sources
+from hybridrec.train.loop import evaluate_checkpoint, train
+from hybridrec.train.recmodel import RecModel
+
+torch.set_num_threads(1)
+
+SMALL = {
+    "seed": 0,
+    "data": {"format": "synthetic", "batch_size": 512, "prefetch": 2,
+             "synthetic": {"vocab_size": 200, "train_rows": 20_000, "test_rows": 5_000}},
+    "model": {"name": "deepfm", "embedding_dim": 4, "hparams": {"hidden": [16]}},
+    "embedding": {"default": {"capacity": 20_000, "optimizer": {"name": "adagrad", "lr": 0.1}}},
+    "train": {"progress": False, "log_every": 10, "dense_optimizer": {"name": "adam", "lr": 0.01}},
+}
+
+
+def config(tmp_path, name="run", **changes):
+    """SMALL with dotted-key changes, writing to tmp_path/name."""
+    data = copy.deepcopy(SMALL)
+    data["train"]["output_dir"] = str(tmp_path / name)
+    for key, value in changes.items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return parse_config(data)
+
+
+def records(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_small_synthetic_run_learns_and_leaves_metrics_and_a_checkpoint(tmp_path):
+    cfg = config(tmp_path)
+    result = train(cfg)
+    assert result["auc"] > 0.65, result
+    assert result["auc"] <= result["best_auc"] + 0.01  # the planted model is the ceiling
+    assert result["step"] == 40 and result["samples"] == 20_000  # ceil(20000 / 512) batches
+    out = tmp_path / "run"
+    lines = records(out)
+    train_lines = [r for r in lines if r["split"] == "train"]
+    assert [r["step"] for r in train_lines] == [10, 20, 30, 40]
+    assert lines[-1]["split"] == "final" and lines[-1]["auc"] == result["auc"]
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint is not None
+    assert json.loads((checkpoint / "progress.json").read_text())["step"] == 40
+    assert json.loads((out / "final_metrics.json").read_text())["auc"] == result["auc"]
+
+
+class Crash(RuntimeError):
+    """Stands for the process dying in the middle of training."""
+
+
+def crash_at(step_to_die):
+    def on_step(step, model):
+        if step == step_to_die:
+            raise Crash(f"killed at step {step}")
+    return on_step
+
+
+def trained_state(cfg):
+    """Dense state dict and exported embedding rows of the latest checkpoint of `cfg`'s run."""
+    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
+    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
+    load_training(latest_checkpoint(cfg.train.output_dir), model)
+    rows = {(c, t): store.export() for c, col in model.collections().items() for t, store in col.stores.items()}
+    return model.dense_model.state_dict(), rows
+
+
+@pytest.mark.parametrize("model, prefetch", [("deepfm", 2), ("dlrm", 0)])
+def test_resume_after_a_crash_ends_exactly_like_an_uninterrupted_run(tmp_path, model, prefetch):
+    # two epochs of 16 batches; checkpoint every 7 steps; die at step 24, i.e. 3 steps after
+    # the checkpoint at step 21 (in the second epoch), so resuming must redo steps 22-24.
+    # Dropout (torch RNG) and probabilistic admission (store state) must both carry over.
+    hparams = {"hidden": [16], "dropout": 0.1} if model == "deepfm" else {"top_mlp": [16], "dropout": 0.1}
+    changes = {"model.name": model, "model.hparams": hparams, "data.prefetch": prefetch,
+               "data.synthetic.train_rows": 8_000, "data.synthetic.test_rows": 2_000, "train.epochs": 2,
+               "train.checkpoint_every": 7, "embedding.default.admit_probability": 0.9}
+    whole = config(tmp_path, "whole", **changes)
+    broken = config(tmp_path, "broken", **changes)
+    expected = train(whole)
+    with pytest.raises(Crash):
+        train(broken, on_step=crash_at(24))
+    assert latest_checkpoint(broken.train.output_dir).name.endswith("21")
+    resumed = train(broken, resume=True)
+
+    assert resumed["step"] == expected["step"] == 32
+    assert resumed["auc"] == expected["auc"]
+    dense_a, rows_a = trained_state(whole)
+    dense_b, rows_b = trained_state(broken)
+    assert dense_a.keys() == dense_b.keys()
+    for name in dense_a:
+        assert torch.equal(dense_a[name], dense_b[name]), name
+    assert rows_a.keys() == rows_b.keys()
+    if model == "deepfm":
+        assert any(c == "wide" for c, _ in rows_a)  # first-order tables are checked too
+    for table in rows_a:
+        for field in rows_a[table]:
+            np.testing.assert_array_equal(rows_a[table][field], rows_b[table][field], err_msg=f"{table} {field}")
+
+
+def test_evaluating_a_checkpoint_reproduces_the_final_test_auc(tmp_path):
+    cfg = config(tmp_path, **{"train.max_steps": 15})
+    result = train(cfg)
+    evaluated = evaluate_checkpoint(cfg, cfg.train.output_dir)
+    assert evaluated["step"] == 15
+    assert evaluated["auc"] == result["auc"] and evaluated["logloss"] == result["logloss"]
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
+    cfg = config(tmp_path, **{"train.max_steps": 2})
+    train(cfg)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg)
+
+
+def test_resume_needs_a_checkpoint_and_the_same_data_and_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(config(tmp_path, "empty"), resume=True)
+    train(config(tmp_path, **{"train.max_steps": 2}))
+    with pytest.raises(ConfigError, match="data.batch_size: checkpoint 512, config 256"):
+        train(config(tmp_path, **{"data.batch_size": 256}), resume=True)
+
+
+def test_resume_with_more_steps_continues_and_appends_metrics(tmp_path):
+    train(config(tmp_path, **{"train.max_steps": 20}))
+    result = train(config(tmp_path, **{"train.max_steps": 30}), resume=True)
+    assert result["step"] == 30
+    steps = [r["step"] for r in records(tmp_path / "run") if r["split"] == "train"]
+    assert steps == [10, 20, 30]
+
+
+def write_events(path, rows: int, bad_lines: dict[int, str], seed: int = 0) -> None:
+    """A CSV with two tasks: `click` depends on the user, `buy` on the item and the price."""
+    rng = np.random.default_rng(seed)
+    user_bias = rng.normal(0, 1.5, 50)
+    item_bias = rng.normal(0, 1.5, 40)
+    lines = ["click,buy,price,user,item,tags"]
+    for r in range(rows):
+        if r in bad_lines:
+            lines.append(bad_lines[r])
+            continue
+        user, item = rng.integers(50), rng.integers(40)
+        price = float(rng.exponential(20))
+        click = rng.random() < 1 / (1 + np.exp(-user_bias[user]))
+        buy = rng.random() < 1 / (1 + np.exp(-(item_bias[item] - 0.03 * price)))
+        tags = "|".join(f"t{t}" for t in rng.choice(8, size=rng.integers(0, 4), replace=False))
+        lines.append(f"{int(click)},{int(buy)},{price:.2f},u{user},i{item},{tags}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def tabular_config(tmp_path, csv, **changes):
+    data = {"format": "tabular", "path": str(csv), "train_rows": 4_000, "batch_size": 256, "prefetch": 2,
+            "schema": {"labels": ["click", "buy"], "dense": ["price"], "dense_transform": "log1p",
+                       "categorical": ["user", "item"], "multi_categorical": ["tags"]}}
+    return config(tmp_path, **{"data": data, "model.name": "dcn", "model.embedding_dim": 4,
+                               "model.hparams": {"hidden": [16], "cross_layers": 1}, "train.epochs": 3,
+                               **changes})
+
+
+def test_two_label_columns_train_two_tasks_with_metrics_for_each(tmp_path):
+    csv = tmp_path / "events.csv"
+    write_events(csv, 5_000, {})
+    result = train(tabular_config(tmp_path, csv))
+    assert result["click/auc"] > 0.7 and result["buy/auc"] > 0.7, result
+    assert result["count"] == 1_000
+    final = records(tmp_path / "run")[-1]
+    assert {"click/auc", "click/logloss", "buy/auc", "buy/ne"} <= final.keys()
+
+
+def test_bad_csv_rows_are_counted_and_skipped_not_fatal(tmp_path):
+    csv = tmp_path / "events.csv"
+    bad = {10: "1,0,cheap,u1,i1,t1", 20: "1,0,3.5,u1", 30: "yes,0,1.0,u2,i2,"}
+    write_events(csv, 5_000, bad)
+    result = train(tabular_config(tmp_path, csv, **{"train.epochs": 1}))
+    assert result["bad_rows"] == {"train": 3, "test": 3}  # the test reader also reads the train lines
+    assert result["samples"] == 4_000 - 3  # sample ids count data lines, bad ones included
+    assert result["click/auc"] > 0.6
+
+
+def test_strict_data_stops_at_the_first_bad_row_naming_file_and_line(tmp_path):
+    csv = tmp_path / "events.csv"
+    write_events(csv, 100, {10: "1,0,cheap,u1,i1,t1"})
+    cfg = tabular_config(tmp_path, csv, **{"data.strict": True, "data.train_rows": 50})
+    with pytest.raises(ValueError, match=rf"{csv}:12"):
+        train(cfg)
