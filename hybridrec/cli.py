@@ -106,15 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
 
+    # every option after serve-ps belongs to the server's own parser (see main)
     p = sub.add_parser("serve-ps", help="run an embedding parameter-server process", add_help=False,
                        description="Run an embedding PS server (options: hybridrec serve-ps --help).")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_serve_ps)
+    p.set_defaults(func=cmd_serve_ps, rest=[])
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "serve-ps":
+        args.rest = extra  # argparse's REMAINDER does not take leading options such as --port
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from hybridrec.config import ConfigError
 
     try:
@@ -122,6 +127,11 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as exc:
         print(f"hybridrec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.command == "train":
+            print("hybridrec train: interrupted; `hybridrec train CONFIG --resume` continues from the latest "
+                  "checkpoint (train.checkpoint_every sets how often they are written)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
