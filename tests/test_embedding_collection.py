@@ -97,10 +97,55 @@ def test_bad_batches_are_refused_with_the_argument_named():
         coll(JaggedFeatures(["f"], good.values.astype(np.int64), good.offsets))
     with pytest.raises(ValueError, match="must start at 0 and end at len\\(values\\)=2"):
         coll(JaggedFeatures(["f"], good.values, np.array([0, 1, 3], np.int64)))
-    with pytest.raises(ValueError, match="decrease"):
+    with pytest.raises(ValueError, match="negative length"):
         coll(JaggedFeatures(["f"], good.values, np.array([0, 2, 1, 2], np.int64)))
     with pytest.raises(ValueError, match="no feature 'f'"):
         coll(JaggedFeatures(["g"], good.values, good.offsets))
     with pytest.raises(ValueError, match="unknown table 'nope'"):
         EmbeddingCollection({"f": TableConfig(dim=2, capacity=10)}, {"f": "nope"})
     assert len(coll.stores["f"]) == 0
+
+
+def test_many_tables_in_one_call_match_per_table_stores():
+    rng = np.random.default_rng(3)
+    names = [f"f{i}" for i in range(5)]
+    cfg = dict(dim=4, capacity=500, optimizer={"name": "adagrad", "lr": 0.1}, pooling="mean")
+    coll = EmbeddingCollection({n: TableConfig(seed=i, **cfg) for i, n in enumerate(names)})
+    refs = [EmbeddingStore(seed=i, **cfg) for i in range(len(names))]
+    for _ in range(5):
+        lists = [[list(rng.integers(0, 40, size=rng.integers(0, 4))) for _ in range(6)] for _ in names]
+        batch = _features(names, lists)
+        out = coll.forward_stacked(batch)
+        upstream = torch.randn(out.shape)
+        (out * upstream).sum().backward()
+        for t, (store, per_sample) in enumerate(zip(refs, lists)):
+            keys = np.array([k for ids in per_sample for k in ids], dtype=np.uint64)
+            lens = [len(ids) for ids in per_sample]
+            rows = store.pull(keys)
+            start = 0
+            grads = []
+            for b, n in enumerate(lens):
+                expect = rows[start:start + n].mean(axis=0) if n else np.zeros(4)
+                np.testing.assert_allclose(out[b, t].detach().numpy(), expect, rtol=1e-6, atol=1e-7)
+                grads += [upstream[b, t].numpy() / n] * n if n else []
+                start += n
+            if len(keys):
+                store.push(keys, np.array(grads, np.float32))
+    for name, store in zip(names, refs):
+        keys = store.keys()
+        np.testing.assert_allclose(coll.stores[name].pull(keys, insert=False), store.pull(keys, insert=False),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_nan_gradient_is_refused_and_changes_no_row():
+    coll = EmbeddingCollection({"a": TableConfig(dim=2, capacity=10), "b": TableConfig(dim=2, capacity=10)})
+    batch = _features(["a", "b"], [[[1], [2]], [[3], [4]]])
+    out = coll.forward_stacked(batch)
+    before = {n: s.export()["weights"].copy() for n, s in coll.stores.items()}
+    upstream = torch.ones(out.shape)
+    upstream[1, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        (out * upstream).sum().backward()
+    for n, s in coll.stores.items():
+        np.testing.assert_array_equal(s.export()["weights"], before[n])
+        assert s.step == 0

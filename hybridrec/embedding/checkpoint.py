@@ -26,7 +26,7 @@ from .store import EmbeddingStore, S_EPOCH, S_STEP, S_DROPPED
 from .table import TableConfig
 
 FORMAT = "hybridrec-embedding-store"
-VERSION = 1
+VERSION = 2  # 2: metadata saved apart from rows
 MANIFEST = "manifest.json"
 
 
@@ -40,7 +40,8 @@ def save(store: EmbeddingStore, directory, extra: dict | None = None) -> Path:
     with store._lock:
         live = store.live_rows()
         arrays = {
-            "rows": store.rows[live] if len(live) else np.empty((0, store.rows.shape[1]), np.float32),
+            "rows": store.rows[live],
+            "meta": store.meta[live],
             "parts": np.array(store.parts),
             "sketch": np.array(store.sketch),
         }
@@ -124,6 +125,7 @@ def load(directory, shm_name: str | None = None, **overrides) -> EmbeddingStore:
     config = TableConfig.from_dict({**manifest["table"], **overrides})
     _check_compatible(manifest, config, directory)
     rows = _read_array(directory, manifest, "rows")
+    meta = _read_array(directory, manifest, "meta")
     parts = _read_array(directory, manifest, "parts")
     sketch = _read_array(directory, manifest, "sketch")
     store = EmbeddingStore(config, shm_name=shm_name)
@@ -133,39 +135,37 @@ def load(directory, shm_name: str | None = None, **overrides) -> EmbeddingStore:
         slots = store.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1].copy()
         store.parts[:] = parts
         store.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1] = slots  # the index is rebuilt to fit below
-        store.rows[store.live_rows()] = rows
+        live = store.live_rows()
+        store.rows[live] = rows
+        store.meta[live] = meta
         store.sketch[:] = sketch
         store._reserve(0, rebuild=True)
         if len(np.unique(store.keys())) != len(store):
             raise ValueError(f"checkpoint: {directory} is corrupt (a key appears in two rows)")
     else:
-        insert_rows(store, rows)
+        insert_rows(store, rows, meta)
     store.scalars[S_STEP] = manifest["step"]
     store.scalars[S_EPOCH] = max(int(store.scalars[S_EPOCH]), manifest["epoch"])
     store.scalars[S_DROPPED] = manifest.get("dropped_updates", 0)
     return store
 
 
-def insert_rows(store: EmbeddingStore, rows: np.ndarray) -> None:
-    """Insert saved rows (embedding, state and metadata) into `store`, least recently used first,
-    so that if they do not all fit, the most recently used ones are kept."""
-    meta = store.config.meta_offset
+def insert_rows(store: EmbeddingStore, rows: np.ndarray, meta: np.ndarray) -> None:
+    """Insert saved rows (embedding + state, and their metadata) into `store`, least recently
+    used first, so that if they do not all fit, the most recently used ones are kept."""
     if len(rows) == 0:
         return
-    order = np.argsort(rows.view(np.int32)[:, meta + K.M_STAMP], kind="stable")
-    rows = rows[order]
-    keys = np.ascontiguousarray(rows.view(np.uint64)[:, meta // 2])
+    order = np.argsort(meta[:, K.M_STAMP], kind="stable")
+    rows, meta = rows[order], meta[order]
+    keys = np.ascontiguousarray(meta.view(np.uint64)[:, 0])
     chunk = max(1, store.config.capacity // max(store.nparts, 1) // 2)
     with store._lock:
         for start in range(0, len(keys), chunk):
             part = slice(start, start + chunk)
             found = store._probe(keys[part], K.MODE_FORCE)
-            width = meta
-            store.rows[found.rows, :width] = rows[part, :width]
-            r32 = store.r32
-            src = rows[part].view(np.int32)
-            r32[found.rows, meta + K.M_COUNT] = src[:, meta + K.M_COUNT]
-            r32[found.rows, meta + K.M_CLOCK] = src[:, meta + K.M_CLOCK]
+            store.rows[found.rows] = rows[part]
+            store.meta[found.rows, K.M_COUNT] = meta[part, K.M_COUNT]
+            store.meta[found.rows, K.M_CLOCK] = meta[part, K.M_CLOCK]
 
 
 def load_resharded(directories, shard: int, num_shards: int, table_id: int = 0, shm_name: str | None = None,
@@ -188,10 +188,10 @@ def load_resharded(directories, shard: int, num_shards: int, table_id: int = 0, 
     for d, m in zip(directories, manifests):
         _check_compatible(m, config, d)
     store = EmbeddingStore(config, shm_name=shm_name)
-    meta = config.meta_offset
     for d, m in zip(directories, manifests):
         rows = _read_array(d, m, "rows")
-        keys = np.ascontiguousarray(rows.view(np.uint64)[:, meta // 2])
-        insert_rows(store, rows[route(keys, table_id, num_shards) == shard])
+        meta = _read_array(d, m, "meta")
+        mine = route(np.ascontiguousarray(meta.view(np.uint64)[:, 0]), table_id, num_shards) == shard
+        insert_rows(store, rows[mine], meta[mine])
     store.scalars[S_STEP] = max(m["step"] for m in manifests)
     return store

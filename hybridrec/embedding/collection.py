@@ -15,6 +15,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from numba.typed import List as NumbaList
+
+from . import group_kernels as GK
+from . import kernels as K
 from .store import EmbeddingStore, Lookup, check_keys
 from .table import TableConfig, closest_hint
 
@@ -28,6 +32,97 @@ class _TablePass:
     features: list  # (output group, column in the group, offsets into the table's keys)
 
 
+_EMPTY = np.empty(0, np.int64)
+
+
+class _TableGroup:
+    """The fast path: tables that each serve one feature, probed and updated in one kernel call
+    per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, rebuilt when a
+    store replaces one (its index grows)."""
+
+    def __init__(self, stores: list):
+        self.stores = stores
+        self._indexes = None
+        cfgs = [s.config for s in stores]
+        self.icfg = np.stack([s.icfg for s in stores])
+        self.fcfg = np.stack([s.fcfg for s in stores])
+        self.seeds = np.array([c.seed for c in cfgs], dtype=np.uint64)
+        self.pool_modes = np.array([s.pool_mode for s in stores], dtype=np.int64)
+        self.opt_codes = np.array([s.opt_code for s in stores], dtype=np.int64)
+        self.opt_params = np.stack([s.opt_params for s in stores])
+
+    def _lists(self):
+        indexes = [s.index for s in self.stores]
+        if self._indexes is None or any(a is not b for a, b in zip(indexes, self._indexes)):
+            def typed(arrays):
+                out = NumbaList()
+                for a in arrays:
+                    out.append(a)
+                return out
+
+            st = self.stores
+            self.rows_l = typed([s.rows for s in st])
+            self.meta_l = typed([s.meta for s in st])
+            self.meta64_l = typed([s.r64 for s in st])
+            self.index_l = typed(indexes)
+            self.parts_l = typed([s.parts for s in st])
+            self.sketch_l = typed([s.sketch for s in st])
+            self.scalars_l = typed([s.scalars for s in st])
+            self._indexes = indexes
+
+    def forward(self, features, where, names, bsz, dim, train):
+        values = features.values
+        seg_lo = np.array([where[n][0] for n in names], dtype=np.int64)
+        seg_hi = np.array([where[n][-1] for n in names], dtype=np.int64)
+        feat_base = np.array([features.names.index(n) * bsz for n in names], dtype=np.int64)
+        for store, lo, hi in zip(self.stores, seg_lo, seg_hi):
+            if train:
+                store._reserve(int(hi - lo))
+            store._check_epoch()
+        self._lists()
+        n = values.shape[0]
+        hashes = np.empty(n, np.uint64)
+        K.compute_partitions(values, 1, hashes, _EMPTY)
+        out_rows = np.empty(n, np.int32)
+        inverse = np.empty(n, np.int32)
+        uniq_rows = np.empty(n, np.int32)
+        uniq_keys = np.empty(n, np.uint64)
+        nuniq = np.zeros(len(names), np.int64)
+        out = np.empty((bsz, len(names), dim), np.float32)
+        failed = GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz,
+                                       self.rows_l, self.meta_l, self.meta64_l, self.index_l, self.parts_l,
+                                       self.sketch_l, self.scalars_l, self.icfg, self.fcfg, self.seeds,
+                                       self.pool_modes, K.MODE_TRAIN if train else K.MODE_FIND, out_rows,
+                                       inverse, uniq_rows, uniq_keys, nuniq, out)
+        if failed >= 0:
+            self.stores[failed]._raise_full()
+        return out, _GroupPass(self, inverse, seg_lo, feat_base, features.offsets, bsz, uniq_rows, uniq_keys, nuniq)
+
+
+@dataclasses.dataclass
+class _GroupPass:
+    group: _TableGroup
+    inverse: np.ndarray
+    seg_lo: np.ndarray
+    feat_base: np.ndarray
+    offsets: np.ndarray
+    bsz: int
+    uniq_rows: np.ndarray
+    uniq_keys: np.ndarray
+    nuniq: np.ndarray
+
+    def backward(self, grad: np.ndarray) -> None:
+        g = self.group
+        g._lists()
+        ugrad = np.empty((self.inverse.shape[0], grad.shape[2]), np.float32)
+        dropped = np.zeros(len(g.stores), np.int64)
+        ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz, g.rows_l,
+                                g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys, self.nuniq,
+                                ugrad, g.icfg, g.fcfg, g.opt_codes, g.opt_params, g.pool_modes, dropped)
+        if not ok:
+            raise ValueError("embedding gradient contains NaN or inf; the update was refused and no row changed")
+
+
 class _FusedEmbeddingFunction(torch.autograd.Function):
     """Outputs are computed before; backward hands their gradient to the stores' optimizers."""
 
@@ -39,6 +134,10 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         grads = [None if g is None else g.detach().to("cpu", torch.float32).contiguous().numpy() for g in grads]
+        if isinstance(ctx.passes, _GroupPass):
+            ctx.passes.backward(grads[0])
+            ctx.passes = None
+            return (None, None) + (None,) * len(grads)
         for tp in ctx.passes:
             ugrad = np.zeros((tp.lookup.num_unique, tp.store.dim), np.float32)
             used = False
@@ -89,6 +188,8 @@ class EmbeddingCollection(torch.nn.Module):
             for name, cfg in configs.items()
         }
         self.dims = {f: configs[t].dim for f, t in mapping.items()}
+        self._table_users = {t: list(mapping.values()).count(t) for t in configs}
+        self._groups: dict = {}
         # gives autograd a leaf that requires grad, so backward reaches the stores
         self._anchor = torch.nn.Parameter(torch.zeros(0), requires_grad=True)
 
@@ -109,28 +210,51 @@ class EmbeddingCollection(torch.nn.Module):
         if offsets[0] != 0 or offsets[-1] != len(features.values):
             raise ValueError(f"features.offsets: must start at 0 and end at len(values)={len(features.values)}, "
                              f"got {offsets[0]} .. {offsets[-1]}")
+        bad = K.first_decrease(offsets)
+        if bad >= 0:
+            f = bad // bsz if bsz else 0
+            raise ValueError(f"features.offsets: offsets[{bad + 1}] = {offsets[bad + 1]} < offsets[{bad}] = "
+                             f"{offsets[bad]} (a negative length, in feature {batch_names[min(f, nfeat - 1)]!r})")
         where = {}
         for name in names:
             if name not in batch_names:
                 raise ValueError(f"features: the batch has no feature {name!r}{closest_hint(name, batch_names)}; "
                                  f"it has {batch_names}")
             f = batch_names.index(name)
-            seg = offsets[f * bsz:(f + 1) * bsz + 1]
-            if np.any(seg[1:] < seg[:-1]):
-                raise ValueError(f"features.offsets: offsets of feature {name!r} decrease (negative lengths)")
-            where[name] = seg
+            where[name] = offsets[f * bsz:(f + 1) * bsz + 1]
         return bsz, where
+
+    def _group_for(self, names):
+        """The one-call fast path for these features, if each has a table of its own."""
+        tables = [self.feature_to_table[n] for n in names]
+        if len(set(tables)) != len(tables) or any(self._table_users[t] != 1 or self.stores[t].nparts != 1
+                                                  for t in tables):
+            return None
+        key = tuple(tables)
+        if key not in self._groups:
+            self._groups[key] = _TableGroup([self.stores[t] for t in tables])
+        group = self._groups[key]
+        if any(a is not b for a, b in zip(group.stores, (self.stores[t] for t in tables))):
+            group = self._groups[key] = _TableGroup([self.stores[t] for t in tables])  # stores were replaced
+        return group
 
     def _run(self, features, groups):
         """groups: list of feature-name lists, one output Tensor[B, len(g), dim] per group."""
         names = [n for g in groups for n in g]
         bsz, where = self._positions(features, names)
+        train = self.training and torch.is_grad_enabled()
+        group = self._group_for(names) if len(groups) == 1 and bsz > 0 else None
+        if group is not None:
+            out, gpass = group.forward(features, where, names, bsz, self.dims[names[0]], train)
+            tensor = torch.from_numpy(out)
+            if train:
+                tensor = _FusedEmbeddingFunction.apply(self._anchor, gpass, tensor)
+            return [tensor]
         outputs = [np.empty((bsz, len(g), self.dims[g[0]]), np.float32) for g in groups]
         slot = {n: (gi, ci) for gi, g in enumerate(groups) for ci, n in enumerate(g)}
         by_table: dict[str, list] = {}
         for n in names:
             by_table.setdefault(self.feature_to_table[n], []).append(n)
-        train = self.training and torch.is_grad_enabled()
         passes = []
         for table, feats in by_table.items():
             store = self.stores[table]

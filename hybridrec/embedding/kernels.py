@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
+from .prefetch import prefetch_row
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 
 # metadata columns, relative to the meta offset (int32 view)
@@ -34,6 +35,10 @@ ICFG_WIDTH = 8
 FC_ADMIT_PROB, FC_INIT_A, FC_INIT_B, FC_INIT_BOUND, FC_STATE_INIT, FC_WEIGHT_DECAY, FC_WEIGHT_BOUND = 0, 1, 2, 3, 4, 5, 6
 FCFG_WIDTH = 8
 
+# scalars[*]: per-store counters
+SC_MAGIC, SC_EPOCH, SC_STEP, SC_DIRTY, SC_DROPPED, SC_INDEX_GEN = 0, 1, 2, 3, 4, 5
+SCALARS_WIDTH = 16
+
 POLICY_LRU, POLICY_LFU = 0, 1
 INIT_UNIFORM, INIT_NORMAL, INIT_ZEROS = 0, 1, 2
 MODE_TRAIN, MODE_FIND, MODE_FORCE = 0, 1, 2  # insert with admission | never insert | insert always
@@ -41,6 +46,8 @@ MODE_TRAIN, MODE_FIND, MODE_FORCE = 0, 1, 2  # insert with admission | never ins
 ERR_FULL = 1  # every row of a partition is used by the current batch: nothing can be evicted
 _COUNT_CEILING = 1 << 30
 _LFU_SAMPLES = 8
+PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
+PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 
 
 @njit(inline="always")
@@ -72,6 +79,15 @@ def order_by_partition(part_of, nparts, order, starts):
         p = part_of[i]
         order[counts[p]] = i
         counts[p] += 1
+
+
+@njit(cache=True, nogil=True)
+def first_decrease(offsets):
+    """Index i of the first offsets[i+1] < offsets[i], or -1 when offsets never decrease."""
+    for i in range(offsets.shape[0] - 1):
+        if offsets[i + 1] < offsets[i]:
+            return i
+    return -1
 
 
 # ---------------------------------------------------------------- LRU list (array indices)
@@ -251,6 +267,16 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     nuniq = 0
     use_order = order.shape[0] > 0
     for j in range(lo, hi):
+        # software pipeline: the slot of a key 16 ahead, the row of a key 8 ahead
+        ahead = j + PREFETCH_SLOT
+        if ahead < hi:
+            prefetch_row(index, s0 + scale32(hashes[order[ahead] if use_order else ahead], ns))
+        ahead = j + PREFETCH_ROW
+        if ahead < hi:
+            guess = index[s0 + scale32(hashes[order[ahead] if use_order else ahead], ns)]
+            if guess >= 0:
+                prefetch_row(r32, guess)
+                prefetch_row(rows, guess)
         i = order[j] if use_order else j
         key = keys[i]
         h = hashes[i]
@@ -353,11 +379,24 @@ def gather_pool(rows, row_ids, offsets, mode, out):
     """out[b] = pool(rows[row_ids[offsets[b]:offsets[b+1]], :dim]); mode 0 sum, 1 mean, 2 sqrt-n.
     Missing rows (-1: absent or not admitted) read as zeros."""
     dim = out.shape[1]
-    for b in range(out.shape[0]):
-        for d in range(dim):
-            out[b, d] = 0.0
+    nb = out.shape[0]
+    for b in range(nb):
+        ahead = offsets[min(b + PREFETCH_ROW, nb)]
+        if ahead < row_ids.shape[0] and row_ids[ahead] >= 0:
+            prefetch_row(rows, row_ids[ahead])
         start = offsets[b]
         end = offsets[b + 1]
+        if end - start == 1:  # one-hot: a copy
+            r = row_ids[start]
+            if r >= 0:
+                for d in range(dim):
+                    out[b, d] = rows[r, d]
+            else:
+                for d in range(dim):
+                    out[b, d] = 0.0
+            continue
+        for d in range(dim):
+            out[b, d] = 0.0
         for i in range(start, end):
             r = row_ids[i]
             if r >= 0:
@@ -386,8 +425,10 @@ def gather_rows(rows, row_ids, out):
 
 @njit(cache=True, nogil=True)
 def scatter_pooled_grad(grad, inverse, offsets, mode, ugrad):
-    """Accumulate the gradient of pooled outputs onto unique rows (the transpose of gather_pool)."""
+    """Accumulate the gradient of pooled outputs onto unique rows (the transpose of gather_pool);
+    returns whether every gradient it read was finite."""
     dim = grad.shape[1]
+    finite = True
     for b in range(grad.shape[0]):
         start = offsets[b]
         end = offsets[b + 1]
@@ -399,7 +440,10 @@ def scatter_pooled_grad(grad, inverse, offsets, mode, ugrad):
             u = inverse[i]
             if u >= 0:
                 for d in range(dim):
-                    ugrad[u, d] += scale * grad[b, d]
+                    v = grad[b, d]
+                    finite &= np.isfinite(v)
+                    ugrad[u, d] += scale * v
+    return finite
 
 
 @njit(cache=True, nogil=True)
@@ -411,6 +455,16 @@ def scatter_rows_grad(grad, inverse, ugrad):
         if u >= 0:
             for d in range(dim):
                 ugrad[u, d] += grad[i, d]
+
+
+@njit(cache=True, nogil=True)
+def all_finite_3d(x):
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            for k in range(x.shape[2]):
+                if not np.isfinite(x[i, j, k]):
+                    return False
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -451,32 +505,46 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
     elif opt == OPT_ADAM:  # torch.optim.SparseAdam: lr * sqrt(1 - b2^t) / (1 - b1^t)
         adam_step = lr * np.sqrt(1.0 - b ** step) / (1.0 - a ** step)
     skipped = 0
-    for u in range(uniq_rows.shape[0]):
+    nu = uniq_rows.shape[0]
+    for u in range(nu):
+        if u + PREFETCH_ROW < nu:
+            prefetch_row(rows, uniq_rows[u + PREFETCH_ROW])
+            prefetch_row(r32, uniq_rows[u + PREFETCH_ROW])
         r = uniq_rows[u]
         if r < 0 or r64[r, kcol] != uniq_keys[u]:
             skipped += 1
             continue
-        for d in range(dim):
-            # float32 rounding at the points where torch materialises a float32 tensor
-            w = np.float64(rows[r, d])
-            g = _f32(np.float64(ugrad[u, d]) + wd * w)
-            if opt == OPT_SGD:
+        # one branch-free loop per optimizer so that LLVM vectorises across the row; float32
+        # rounding at the points where torch materialises a float32 tensor
+        if opt == OPT_ADAGRAD:
+            for d in range(dim):
+                w = np.float64(rows[r, d])
+                g = _f32(np.float64(ugrad[u, d]) + wd * w)
+                acc = _f32(rows[r, dim + d] + g * g)
+                rows[r, dim + d] = acc
+                rows[r, d] = min(max(w - lr * g / _f32(np.sqrt(acc) + a), -bound), bound)
+        elif opt == OPT_SGD:
+            for d in range(dim):
+                w = np.float64(rows[r, d])
+                g = _f32(np.float64(ugrad[u, d]) + wd * w)
                 if a > 0.0:
                     buf = _f32(a * rows[r, dim + d] + g)
                     rows[r, dim + d] = buf
                     g = _f32(g + a * buf) if b > 0.0 else buf
-                w = w - lr * g
-            elif opt == OPT_ADAGRAD:
-                acc = _f32(rows[r, dim + d] + g * g)
-                rows[r, dim + d] = acc
-                w = w - lr * g / _f32(np.sqrt(acc) + a)
-            elif opt == OPT_ADAM:
+                rows[r, d] = min(max(w - lr * g, -bound), bound)
+        elif opt == OPT_ADAM:
+            for d in range(dim):
+                w = np.float64(rows[r, d])
+                g = _f32(np.float64(ugrad[u, d]) + wd * w)
                 m = _f32(a * rows[r, dim + d] + (1.0 - a) * g)
                 v = _f32(b * rows[r, dim + dim + d] + (1.0 - b) * g * g)
                 rows[r, dim + d] = m
                 rows[r, dim + dim + d] = v
-                w = w - adam_step * m / _f32(np.sqrt(v) + c)
-            else:  # FTRL-Proximal: state z at dim+d, n at 2*dim+d; a=l1, b=l2, c=beta
+                rows[r, d] = min(max(w - adam_step * m / _f32(np.sqrt(v) + c), -bound), bound)
+        else:  # FTRL-Proximal: state z at dim+d, n at 2*dim+d; a=l1, b=l2, c=beta
+            for d in range(dim):
+                w = np.float64(rows[r, d])
+                g = _f32(np.float64(ugrad[u, d]) + wd * w)
                 n_old = np.float64(rows[r, dim + dim + d])
                 n_new = _f32(n_old + g * g)
                 sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / lr
@@ -488,11 +556,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
                 else:
                     sign = 1.0 if z > 0 else -1.0
                     w = -(z - sign * a) / ((c + np.sqrt(n_new)) / lr + b)
-            if w > bound:
-                w = bound
-            elif w < -bound:
-                w = -bound
-            rows[r, d] = w
+                rows[r, d] = min(max(w, -bound), bound)
         r32[r, meta + M_CLOCK] += 1
     return skipped
 

@@ -19,8 +19,9 @@ from .table import POOLING_MODES, TableConfig
 
 _MAGIC = 0x48524543  # "HREC"
 # scalars[*]
-S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED, S_INDEX_GEN = 0, 1, 2, 3, 4, 5
-SCALARS_WIDTH = 16
+S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED, S_INDEX_GEN = (K.SC_MAGIC, K.SC_EPOCH, K.SC_STEP, K.SC_DIRTY,
+                                                         K.SC_DROPPED, K.SC_INDEX_GEN)
+SCALARS_WIDTH = K.SCALARS_WIDTH
 LOAD_FACTOR = 0.5  # at most this many live keys per index slot
 MIN_SLOTS = 64  # index slots per partition at generation 0; each generation doubles them
 
@@ -111,8 +112,9 @@ class EmbeddingStore:
         self.seed = np.uint64(cfg.seed)
         a = self._arena
         self.rows = a.array("rows", (cfg.capacity, cfg.row_width), np.float32, create=create)
-        self.r32 = self.rows.view(np.int32)
-        self.r64 = self.rows.view(np.uint64)
+        self.meta = a.array("meta", (cfg.capacity, K.META_WIDTH), np.int32, create=create)
+        self.r32 = self.meta
+        self.r64 = self.meta.view(np.uint64)  # column 0: the row's key
         row_counts = np.full(nparts, cfg.capacity // nparts, dtype=np.int64)
         row_counts[: cfg.capacity % nparts] += 1
         self.row_counts = row_counts
@@ -155,6 +157,8 @@ class EmbeddingStore:
             raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
         if self.scalars[S_DIRTY] or self.scalars[S_INDEX_GEN] != self._generation_of_index_file():
             self._repair()
+        else:
+            self._set_slot_layout(self.parts[:, K.PT_SLOT_COUNT].copy())
         return self
 
     @classmethod
@@ -177,6 +181,9 @@ class EmbeddingStore:
     def _set_slot_layout(self, slots: np.ndarray) -> None:
         self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
         self.parts[:, K.PT_SLOT_COUNT] = slots
+        # keys a partition may hold before the index must grow (full partitions never grow)
+        full = slots >= np.maximum(np.ceil(self.row_counts / LOAD_FACTOR), 8)
+        self._room = int(np.where(full, np.iinfo(np.int64).max // 4, np.floor(slots * LOAD_FACTOR)).min())
 
     def _generation_of_index_file(self) -> int:
         """The index generation whose size matches the index array as it exists now."""
@@ -192,6 +199,8 @@ class EmbeddingStore:
     def _reserve(self, n_new: int, rebuild: bool = False) -> None:
         """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR
         (with `rebuild`, re-insert every live key even when the index keeps its size)."""
+        if not rebuild and int(self.parts[:, K.PT_SIZE].max()) + n_new <= self._room:
+            return
         gen = int(self.scalars[S_INDEX_GEN])
         sizes = self.parts[:, K.PT_SIZE]
         need = np.minimum(sizes + n_new, self.row_counts) / LOAD_FACTOR
@@ -205,25 +214,36 @@ class EmbeddingStore:
         self.index = self._arena.replace_array("index", (int(slots.sum()),), np.int32, fill=-1)
         self._set_slot_layout(slots)
         self.scalars[S_INDEX_GEN] = new_gen
-        K.rebuild_index(self.r64, self.index, self.parts, self.config.meta_offset)
+        K.rebuild_index(self.r64, self.index, self.parts, 0)
         self.scalars[S_DIRTY] = 0
 
     def _repair(self) -> None:
         self.scalars[S_INDEX_GEN] = self._generation_of_index_file()
         self._set_slot_layout(slot_counts(self.row_counts, int(self.scalars[S_INDEX_GEN])))
-        bad = K.rebuild_index(self.r64, self.index, self.parts, self.config.meta_offset)
+        bad = K.rebuild_index(self.r64, self.index, self.parts, 0)
         if bad >= 0:
             raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
         if self.config.eviction == "lru":
-            meta = self.config.meta_offset
             for p in range(self.nparts):
                 start, size = int(self.parts[p, K.PT_ROW_START]), int(self.parts[p, K.PT_SIZE])
                 live = np.arange(start, start + size, dtype=np.int64)
-                order = live[np.argsort(self.r32[start:start + size, meta + K.M_STAMP], kind="stable")]
-                K.relink_lru(self.r32, meta, self.parts, p, order)
+                order = live[np.argsort(self.meta[start:start + size, K.M_STAMP], kind="stable")]
+                K.relink_lru(self.r32, 0, self.parts, p, order)
         self.scalars[S_DIRTY] = 0
 
     # ---------------------------------------------------------------- core operations
+    def _check_epoch(self) -> None:
+        if self.scalars[S_EPOCH] >= 2**31 - 2:  # stamps are int32: restart the epoch count
+            self.meta[:, K.M_STAMP] = 0
+            self.scalars[S_EPOCH] = 1
+
+    def _raise_full(self):
+        raise ValueError(
+            f"keys: the batch has more distinct keys than the store can hold at once "
+            f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise capacity or "
+            f"split the batch"
+        )
+
     def _probe(self, keys: np.ndarray, mode: int) -> Lookup:
         n = keys.shape[0]
         if mode != K.MODE_FIND:
@@ -231,10 +251,8 @@ class EmbeddingStore:
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
         uniq = np.empty(n, np.int32)
+        self._check_epoch()
         self.scalars[S_EPOCH] += 1
-        if self.scalars[S_EPOCH] >= 2**31 - 1:  # stamps are int32: restart the epoch count
-            self.r32[:, self.config.meta_offset + K.M_STAMP] = 0
-            self.scalars[S_EPOCH] = 1
         epoch = int(self.scalars[S_EPOCH])
         hashes = np.empty(n, np.uint64)
         part_of = np.empty(n if self.nparts > 1 else 0, np.int64)
@@ -260,13 +278,9 @@ class EmbeddingStore:
             err = int(errors.max())
             nuniq = K.compact_unique(starts, counts, part_of, uniq, inverse)
         if err == K.ERR_FULL:
-            raise ValueError(
-                f"keys: the batch has more distinct keys than the store can hold at once "
-                f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise capacity or "
-                f"split the batch"
-            )
+            self._raise_full()
         uniq = uniq[:nuniq]
-        return Lookup(out_rows, inverse, uniq, self.r64[uniq, self.config.meta_offset // 2].copy())
+        return Lookup(out_rows, inverse, uniq, self.r64[uniq, 0].copy())
 
     def lookup(self, keys: np.ndarray, insert: bool = True) -> Lookup:
         """Probe a batch of keys; with `insert`, new keys are admitted (by policy) and initialised."""
@@ -363,7 +377,7 @@ class EmbeddingStore:
         ]).astype(np.int64)
 
     def keys(self) -> np.ndarray:
-        return self.r64[self.live_rows(), self.config.meta_offset // 2].copy()
+        return self.r64[self.live_rows(), 0].copy()
 
     def export(self) -> dict:
         """Copies of every live row: keys, weights [n, dim], optimizer state [n, state], access
@@ -372,22 +386,22 @@ class EmbeddingStore:
         with self._lock:
             live = self.live_rows()
             rows = self.rows[live]
-        meta = cfg.meta_offset
+            meta = self.meta[live]
         return {
-            "keys": rows.view(np.uint64)[:, meta // 2].copy(),
+            "keys": meta.view(np.uint64)[:, 0].copy(),
             "weights": rows[:, :cfg.dim].copy(),
-            "state": rows[:, cfg.dim:cfg.dim + cfg.state_width].copy(),
-            "counts": rows.view(np.int32)[:, meta + K.M_COUNT].copy(),
-            "clocks": rows.view(np.int32)[:, meta + K.M_CLOCK].copy(),
+            "state": rows[:, cfg.dim:].copy(),
+            "counts": meta[:, K.M_COUNT].copy(),
+            "clocks": meta[:, K.M_CLOCK].copy(),
         }
 
     def memory_bytes(self) -> int:
-        return int(self.rows.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
+        return int(self.rows.nbytes + self.meta.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
     def capacity_bytes(self) -> int:
         """Bytes the store occupies once every row is in use (the index then at its largest)."""
         full_slots = int(slot_counts(self.row_counts, 40).sum())
-        return int(self.rows.nbytes + full_slots * 4 + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
+        return int(self.rows.nbytes + self.meta.nbytes + full_slots * 4 + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
     def stats(self) -> dict:
         p = self.parts
@@ -408,6 +422,6 @@ class EmbeddingStore:
 
     def close(self) -> None:
         """Flush and unmap shared memory (the named store stays for a later attach)."""
-        for arr in (self.rows, self.index, self.parts, self.scalars, self.sketch):
+        for arr in (self.rows, self.meta, self.index, self.parts, self.scalars, self.sketch):
             if isinstance(arr, np.memmap):
                 arr.flush()

@@ -123,19 +123,15 @@ class TableConfig:
         return self.optimizer.state_width(self.dim)
 
     @property
-    def meta_offset(self) -> int:
-        m = self.dim + self.state_width
-        return m + (m & 1)  # the uint64 key needs 8-byte alignment
-
-    @property
     def row_width(self) -> int:
-        return self.meta_offset + K.META_WIDTH
+        """float32 values per row: embedding then optimizer state (metadata lives apart)."""
+        return self.dim + self.state_width
 
     def kernel_config(self, nparts: int):
         icfg = np.zeros(K.ICFG_WIDTH, dtype=np.int64)
         icfg[K.IC_DIM] = self.dim
         icfg[K.IC_STATE] = self.state_width
-        icfg[K.IC_META] = self.meta_offset
+        icfg[K.IC_META] = 0  # metadata columns start at 0 of the separate meta array
         icfg[K.IC_POLICY] = EVICTION_POLICIES[self.eviction]
         icfg[K.IC_MIN_FREQ] = self.admit_min_frequency
         icfg[K.IC_INIT_KIND] = INIT_KINDS[self.init["kind"]]

@@ -1,0 +1,73 @@
+"""Kernels that serve many tables in one call: probe + pool for a whole batch, and gradient
+scatter + fused update for a whole batch.
+
+The collection's fast path. With one store per feature, calling the per-table kernels costs
+four Python round trips per table per step; here a batch costs two calls whatever the number
+of tables. Each table's arrays arrive through numba typed lists; table t serves the key
+segment [seg_lo[t], seg_hi[t]) of the batch (feature-major, so a feature's keys are contiguous) and
+its unique rows occupy uniq_rows[seg_lo[t] : seg_lo[t] + nuniq[t]]. The probe, the pooling and the
+update are the per-table kernels of kernels.py, so both paths compute the same values.
+"""
+import numpy as np
+from numba import njit
+
+from . import kernels as K
+
+
+@njit(cache=True, nogil=True)
+def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
+                       meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode,
+                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
+    """Probe every table's segment, then pool it into out[:, t, :]. Returns the first table
+    that ran out of evictable rows, or -1."""
+    empty = np.empty(0, np.int64)
+    for t in range(seg_lo.shape[0]):
+        lo = seg_lo[t]
+        hi = seg_hi[t]
+        scalars = scalars_l[t]
+        scalars[K.SC_EPOCH] += 1
+        scalars[K.SC_DIRTY] = 1
+        n, err = K._lookup_partition(0, keys, hashes, empty, lo, hi, rows_l[t], meta_l[t], meta64_l[t],
+                                     index_l[t], parts_l[t], sketch_l[t], icfg[t], fcfg[t], seeds[t],
+                                     scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
+        scalars[K.SC_DIRTY] = 0
+        if err != 0:
+            return t
+        nuniq[t] = n
+        meta64 = meta64_l[t]
+        for u in range(lo, lo + n):
+            uniq_keys[u] = meta64[uniq_rows[u], 0]
+        base = feat_base[t]
+        K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out[:, t, :])
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size, rows_l, meta_l, meta64_l,
+                    scalars_l, uniq_rows, uniq_keys, nuniq, ugrad, icfg, fcfg, opt_codes, opt_params, pool_modes,
+                    dropped):
+    """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
+    Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
+    finite = True
+    for t in range(seg_lo.shape[0]):
+        lo = seg_lo[t]
+        for u in range(lo, lo + nuniq[t]):
+            for d in range(ugrad.shape[1]):
+                ugrad[u, d] = 0.0
+        base = feat_base[t]
+        finite &= K.scatter_pooled_grad(grad[:, t, :], inverse, sample_offsets[base:base + batch_size + 1],
+                                        pool_modes[t], ugrad)
+    if not finite:
+        return False
+    for t in range(seg_lo.shape[0]):
+        lo = seg_lo[t]
+        n = nuniq[t]
+        scalars = scalars_l[t]
+        scalars[K.SC_STEP] += 1
+        scalars[K.SC_DIRTY] = 1
+        dropped[t] = K.apply_updates(rows_l[t], meta_l[t], meta64_l[t], uniq_rows[lo:lo + n], uniq_keys[lo:lo + n],
+                                     ugrad[lo:lo + n], icfg[t], fcfg[t], opt_codes[t], opt_params[t],
+                                     scalars[K.SC_STEP])
+        scalars[K.SC_DROPPED] += dropped[t]
+        scalars[K.SC_DIRTY] = 0
+    return True
