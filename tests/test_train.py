@@ -13,7 +13,7 @@ from hybridrec.config import ConfigError, parse_config
 from hybridrec.train.checkpoint import latest_checkpoint, load_training
 from hybridrec.train.data import build_sources
 from hybridrec.train.loop import evaluate_checkpoint, train
-from hybridrec.train.recmodel import RecModel
+from hybridrec.train.recmodel import RecModel, embedding_tables
 
 torch.set_num_threads(1)
 
@@ -198,3 +198,34 @@ def test_strict_data_stops_at_the_first_bad_row_naming_file_and_line(tmp_path):
     cfg = tabular_config(tmp_path, csv, **{"data.strict": True, "data.train_rows": 50})
     with pytest.raises(ValueError, match=rf"{csv}:12"):
         train(cfg)
+
+
+def test_a_missing_data_file_is_a_config_error_naming_the_key_and_the_directory(tmp_path):
+    cfg = config(tmp_path, **{"data": {"format": "criteo", "path": "no/such.tsv", "train_rows": 10}})
+    with pytest.raises(ConfigError, match=r"data.path: file 'no/such.tsv' does not exist .*current directory"):
+        train(cfg)
+
+
+def test_table_settings_for_unknown_features_are_refused_with_the_closest_name(tmp_path):
+    cfg = config(tmp_path, **{"embedding.per_feature": {"c1": {"capacity": 5}}})
+    with pytest.raises(ConfigError, match="did you mean 'C1'"):
+        train(cfg)
+
+
+def test_per_feature_shared_and_wide_sections_change_only_what_they_name(tmp_path):
+    cfg = config(tmp_path, **{"embedding": {
+        "default": {"capacity": 777, "admit_min_frequency": 3, "optimizer": {"name": "adam", "lr": 0.01, "beta1": 0.8}},
+        "per_feature": {"C1": {"capacity": 55, "optimizer": {"lr": 0.5}}},
+        "shared": {"both": {"features": ["C2", "C3"], "optimizer": {"name": "sgd", "lr": 0.2}}},
+        "wide": {"admit_min_frequency": 1}}})
+    names = ["C1", "C2", "C3", "C4"]
+    deep, mapping = embedding_tables(cfg, names, 4, wide=False)
+    assert mapping == {"C1": "C1", "C2": "both", "C3": "both", "C4": "C4"}
+    assert (deep["C1"].capacity, deep["C1"].admit_min_frequency) == (55, 3)
+    assert deep["C1"].optimizer.name == "adam" and deep["C1"].optimizer.lr == 0.5
+    assert deep["C1"].optimizer.params["beta1"] == 0.8
+    assert deep["both"].optimizer.name == "sgd" and deep["both"].capacity == 777
+    assert deep["C4"].optimizer.lr == 0.01
+    wide, _ = embedding_tables(cfg, names, 1, wide=True)
+    assert all(t.admit_min_frequency == 1 and t.capacity == 777 and t.dim == 1 for t in wide.values())
+    assert len({t.seed for t in list(deep.values()) + list(wide.values())}) == len(deep) + len(wide)

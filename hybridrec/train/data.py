@@ -8,9 +8,11 @@ model's AUC on the test rows, the best a learned model can expect.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Iterable
 
-from hybridrec.config import DataConfig
+from hybridrec.config import ConfigError, DataConfig
 from hybridrec.data import (AvazuReader, CriteoReader, DelimitedTextReader, ParquetReader, SyntheticConfig,
                             SyntheticReader, TabularSchema, planted_auc, split_first_rows, split_fraction)
 from hybridrec.data.criteo import CRITEO_SCHEMA
@@ -59,6 +61,16 @@ def _file_reader(cfg: DataConfig, paths, batch_size: int, rank: int, world_size:
     return reader_cls(paths, schema, batch_size, **common)
 
 
+def _check_paths(cfg: DataConfig) -> None:
+    """Every data file exists; relative paths are taken from the current directory."""
+    for key in ("path", "test_path"):
+        value = getattr(cfg, key)
+        for path in [value] if isinstance(value, str) else value or []:
+            if not Path(path).is_file():
+                raise ConfigError(f"data.{key}: file {path!r} does not exist (relative paths are resolved "
+                                  f"from the current directory, {os.getcwd()})")
+
+
 def _schema(cfg: DataConfig) -> TabularSchema:
     if cfg.format == "criteo":
         return CRITEO_SCHEMA
@@ -78,6 +90,7 @@ def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1
         test = SyntheticReader(syn, cfg.synthetic.test_rows, eval_bs, seed=seed, first_row=rows)
         best = planted_auc(syn, cfg.synthetic.test_rows, seed=seed, first_row=rows) if with_best_auc else None
         return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best)
+    _check_paths(cfg)
     schema = _schema(cfg)
     train_reader = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
     if cfg.test_path is not None:

@@ -7,9 +7,11 @@ terms (LR, FM, Wide&Deep, DeepFM) also get one dim-1 table per feature.
 """
 from __future__ import annotations
 
+import difflib
+
 import torch
 
-from hybridrec.config import JobConfig, TableSection
+from hybridrec.config import ConfigError, JobConfig, TableSection
 from hybridrec.embedding import EmbeddingCollection
 from hybridrec.models import build_model, model_class
 
@@ -45,7 +47,11 @@ def embedding_tables(cfg: JobConfig, sparse_names: list[str], dim: int, wide: bo
     shared_of = {f: name for name, t in emb.shared.items() for f in t.features}
     unknown = [f for f in list(shared_of) + list(emb.per_feature) if f not in sparse_names]
     if unknown:
-        raise ValueError(f"embedding: features {unknown} are not sparse features of the data; those are {sparse_names}")
+        lower = {n.lower(): n for n in sparse_names}
+        close = difflib.get_close_matches(unknown[0].lower(), list(lower), n=1)
+        hint = f" (did you mean {lower[close[0]]!r}?)" if close else ""
+        raise ConfigError(f"embedding.shared / embedding.per_feature: features {unknown} are not sparse features "
+                          f"of the data{hint}; those are {sparse_names}")
     for feature in sparse_names:
         if feature in shared_of:
             name = shared_of[feature] + suffix
