@@ -3,6 +3,7 @@
 import json
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -181,3 +182,28 @@ def test_bad_arguments_are_rejected_with_what_is_allowed():
         Server(OPERATIONS, threads=0)
     with pytest.raises(TypeError, match="object"):
         encode_frames(Message("echo", {"bad": np.array(["a"], dtype=object)}), 1)
+
+
+def test_replies_that_overtake_each_other_reach_the_right_request():
+    def nap(request):
+        time.sleep(request.meta["seconds"])
+        return Message("nap", meta=request.meta)
+
+    server = Server({"nap": Operation(nap)}, threads=2)
+    server.start()
+    try:
+        with Client(server.address, timeout=10, retries=0) as client:
+            slow = client.send("nap", meta={"seconds": 0.5, "tag": "slow"})
+            fast = client.send("nap", meta={"seconds": 0.0, "tag": "fast"})  # answered first
+            assert client.receive(slow).meta["tag"] == "slow"
+            assert client.receive(fast).meta["tag"] == "fast"
+    finally:
+        assert server.stop(timeout=5)
+
+
+def test_request_all_survives_a_remote_error_among_many_requests(client):
+    requests = [(client, "sum", {"keys": np.array([i], np.uint64)}, {}) for i in range(3)]
+    requests.insert(1, (client, "fail", {}, {}))
+    with pytest.raises(RemoteError, match="sorted"):
+        request_all(requests)
+    assert client.request("sum", {"keys": np.array([9], np.uint64)}).arrays["total"][0] == 9

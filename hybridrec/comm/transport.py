@@ -163,6 +163,8 @@ class Client:
         self._context = context or zmq.Context.instance()
         self._socket = _new_dealer(self._context, address)
         self._ids = itertools.count(1)
+        self._pending: set[int] = set()  # sent on the current socket, reply not yet taken
+        self._early: dict[int, tuple[dict[str, Any], list]] = {}  # replies that overtook others
 
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None,
              meta: dict[str, Any] | None = None) -> int:
@@ -170,10 +172,21 @@ class Client:
         request_id = next(self._ids)
         frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
         self._socket.send_multipart(frames, copy=False)
+        self._pending.add(request_id)
         return request_id
 
     def receive(self, request_id: int, timeout: float | None = None) -> Message:
-        """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time."""
+        """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time.
+
+        Replies may arrive in any order (the server runs requests on several threads): a
+        reply to another pending request is kept until that one is received.
+        """
+        if request_id in self._early:
+            self._pending.discard(request_id)
+            return self._reply(*self._early.pop(request_id))
+        if request_id not in self._pending:
+            raise TimeoutError(f"request {request_id} to {self.address} was dropped when the "
+                               "connection was reset after an earlier timeout")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
@@ -182,12 +195,24 @@ class Client:
                 raise TimeoutError(f"no reply from {self.address} within the timeout")
             frames = self._socket.recv_multipart(copy=False)
             header = parse_header(frames[0])
-            if header["id"] != request_id:
-                continue  # a reply to a request we stopped waiting for
-            if not header.get("ok", False):
-                raise RemoteError(header["op"], str(header.get("kind", "Error")),
-                                  str(header.get("error", "unknown error")))
-            return decode_frames(header, frames[1:])
+            if header["id"] == request_id:
+                self._pending.discard(request_id)
+                return self._reply(header, frames)
+            if header["id"] in self._pending:
+                self._early[header["id"]] = (header, frames)
+            # otherwise: a reply to a request abandoned before a reconnect, dropped
+
+    def abandon(self, request_id: int) -> None:
+        """Stop waiting for `request_id`: its reply is dropped when it comes."""
+        self._pending.discard(request_id)
+        self._early.pop(request_id, None)
+
+    @staticmethod
+    def _reply(header: dict[str, Any], frames: list) -> Message:
+        if not header.get("ok", False):
+            raise RemoteError(header["op"], str(header.get("kind", "Error")),
+                              str(header.get("error", "unknown error")))
+        return decode_frames(header, frames[1:])
 
     def request(self, op: str, arrays: dict[str, np.ndarray] | None = None,
                 meta: dict[str, Any] | None = None, *, idempotent: bool = False,
@@ -214,6 +239,8 @@ class Client:
         """Drop the socket (and anything queued on it) and connect a fresh one."""
         self._socket.close(linger=0)
         self._socket = _new_dealer(self._context, self.address)
+        self._pending.clear()
+        self._early.clear()
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -234,14 +261,19 @@ def request_all(requests: Sequence[tuple[Client, str, dict[str, np.ndarray], dic
     """
     pending = [client.send(op, arrays, meta) for client, op, arrays, meta in requests]
     replies = []
-    for (client, op, arrays, meta), request_id in zip(requests, pending):
-        try:
-            replies.append(client.receive(request_id))
-        except TimeoutError:
-            if not idempotent or client.retries == 0:
-                raise
-            replies.append(client.request(op, arrays, meta, idempotent=True,
-                                          retries=client.retries - 1))
+    try:
+        for (client, op, arrays, meta), request_id in zip(requests, pending):
+            try:
+                replies.append(client.receive(request_id))
+            except TimeoutError:
+                if not idempotent or client.retries == 0:
+                    raise
+                replies.append(client.request(op, arrays, meta, idempotent=True,
+                                              retries=client.retries - 1))
+    except BaseException:
+        for (client, *_), request_id in zip(requests[len(replies):], pending[len(replies):]):
+            client.abandon(request_id)  # their replies will be dropped, not kept forever
+        raise
     return replies
 
 
