@@ -206,3 +206,18 @@ def test_concurrent_clients_on_a_threaded_server_lose_no_push(local_server):
     with PSClient([local_server.address]) as client:
         for k, rows in zip(keys, before):  # sgd, lr 0.5, two pushes of ones: every row moved by -1
             np.testing.assert_allclose(client.lookup("user", k, insert=False), rows - 1.0, atol=1e-6)
+
+
+def test_lookups_and_pushes_split_into_many_requests_give_the_same_rows(local_server):
+    keys = zipf_keys(700, seed=7)  # repeated keys: a push sums their gradients
+    grads = np.random.default_rng(8).standard_normal((len(keys), 8)).astype(np.float32)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    summed = np.zeros((len(unique), 8), np.float32)
+    np.add.at(summed, inverse, grads)
+    sgd_step = -0.5 * summed[inverse]  # TABLES["user"]: sgd with lr 0.5
+    with PSClient([local_server.address]) as whole, \
+            PSClient([local_server.address], max_keys_per_request=7) as split:
+        before = whole.lookup("user", keys)
+        np.testing.assert_array_equal(split.lookup("user", keys, insert=False), before)
+        split.push("user", keys, grads)
+        np.testing.assert_allclose(whole.lookup("user", keys, insert=False), before + sgd_step, atol=1e-5)

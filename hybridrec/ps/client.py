@@ -71,14 +71,16 @@ def _group_by_shard(shard, num_shards, order, bounds, local):
 
 
 @njit(cache=True, nogil=True)
-def _place_shard_rows(out, shard_rows, shard_id, shard, local, inverse):
-    """out[i] = the row shard `shard_id` returned for key i, for the keys routed there."""
+def _place_rows(out, part_rows, shard_id, first, shard, local, inverse):
+    """out[i] = the returned row of key i, for the keys of shard `shard_id` whose index in
+    that shard's key list lies in [first, first + len(part_rows))."""
+    end = first + part_rows.shape[0]
     for i in range(inverse.shape[0]):
         u = inverse[i]
-        if shard[u] == shard_id:
-            row = local[u]
+        if shard[u] == shard_id and first <= local[u] < end:
+            row = local[u] - first
             for j in range(out.shape[1]):
-                out[i, j] = shard_rows[row, j]
+                out[i, j] = part_rows[row, j]
 
 
 @njit(cache=True, nogil=True)
@@ -130,10 +132,13 @@ class PSClient:
     """One logical embedding service over `addresses` (shard i = addresses[i])."""
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0, retries: int = 2,
-                 value_codec: str = "none", **codec_options: Any):
+                 value_codec: str = "none", max_keys_per_request: int = 16384, **codec_options: Any):
         if isinstance(addresses, str) or not addresses:
             raise ValueError(f"addresses must be a non-empty list of 'tcp://host:port', got {addresses!r}")
+        if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
+            raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         self.addresses = list(addresses)
+        self.max_keys_per_request = max_keys_per_request
         self.codec = make_value_codec(value_codec, **codec_options)
         self._clients = [Client(a, timeout=timeout, retries=retries) for a in self.addresses]
         self._dims: dict[str, int] = {}
@@ -168,27 +173,40 @@ class PSClient:
         _group_by_shard(shard, self.num_shards, order, bounds, local)
         return _Fanout(unique_keys, inverse, shard, order, bounds, local)
 
+    def _parts(self, fanout: "_Fanout") -> list[tuple[int, int, np.ndarray]]:
+        """(shard, first index in the shard's keys, unique-key indices) of every request.
+
+        A shard's keys go in requests of at most `max_keys_per_request`, all sent at once, so
+        the server computes one part while the previous one is on the wire.
+        """
+        parts = []
+        for s in fanout.busy_shards():
+            picked = fanout.of_shard(s)
+            for first in range(0, len(picked), self.max_keys_per_request):
+                parts.append((s, first, picked[first:first + self.max_keys_per_request]))
+        return parts
+
     def lookup(self, table: str, keys: np.ndarray, insert: bool = True) -> np.ndarray:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
         keys = _check_keys(keys)
         dim = self.dim(table)
         fanout = self._route(table, keys)
         meta = {"table": table, "insert": bool(insert), "codec": self.codec.name}
-        shards = fanout.busy_shards()
+        parts = self._parts(fanout)
         replies = request_all(
-            [(self._clients[s], "lookup", {"keys": fanout.unique_keys[fanout.of_shard(s)]}, meta)
-             for s in shards],
+            [(self._clients[s], "lookup", {"keys": fanout.unique_keys[picked]}, meta)
+             for s, _, picked in parts],
             idempotent=True,
         )
         rows = np.empty((len(keys), dim), dtype=np.float32)
-        for s, reply in zip(shards, replies):
+        for (s, first, picked), reply in zip(parts, replies):
             encoded = Encoded(reply.meta.get("codec"), reply.arrays, reply.meta.get("codec_meta", {}))
-            shard_rows = self.codec.decode(encoded)
-            if shard_rows.shape != (fanout.bounds[s + 1] - fanout.bounds[s], rows.shape[1]):
-                raise ValueError(f"shard {s} ({self.addresses[s]}) answered {shard_rows.shape} rows "
-                                 f"for {fanout.bounds[s + 1] - fanout.bounds[s]} keys of dim {rows.shape[1]}")
-            _place_shard_rows(rows, np.ascontiguousarray(shard_rows), s, fanout.shard, fanout.local,
-                              fanout.inverse)
+            part_rows = self.codec.decode(encoded)
+            if part_rows.shape != (len(picked), dim):
+                raise ValueError(f"shard {s} ({self.addresses[s]}) answered {part_rows.shape} rows "
+                                 f"for {len(picked)} keys of dim {dim}")
+            _place_rows(rows, np.ascontiguousarray(part_rows), s, first, fanout.shard, fanout.local,
+                        fanout.inverse)
         return rows
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
@@ -209,8 +227,7 @@ class PSClient:
         summed = np.zeros((len(fanout.unique_keys), dim), dtype=np.float32)
         _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed)
         requests = []
-        for s in fanout.busy_shards():
-            picked = fanout.of_shard(s)
+        for s, _, picked in self._parts(fanout):
             encoded = self.codec.encode(summed[picked], argument="grads")
             requests.append((self._clients[s], "push", {"keys": fanout.unique_keys[picked], **encoded.arrays},
                              {"table": table, "codec": encoded.codec, "codec_meta": encoded.meta}))

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -213,11 +213,17 @@ def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec
     return server
 
 
-def run_until_stopped(server: EmbeddingServer) -> None:
-    """Block until a shutdown request, SIGTERM or Ctrl-C (main thread), then stop the server."""
+def run_until_stopped(server: EmbeddingServer, on_ready: Callable[[], None] | None = None) -> None:
+    """Block until a shutdown request, SIGTERM or Ctrl-C (main thread), then stop the server.
+
+    `on_ready` runs once the signal handlers are in place (so a SIGTERM sent right after it
+    stops the server cleanly instead of killing the process).
+    """
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.transport.request_stop())
+    if on_ready is not None:
+        on_ready()
     try:
         while not server.wait(0.2):  # short waits so signal handlers get to run
             pass
@@ -276,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     # would only oversubscribe the cores, so it gets one thread per worker.
     torch.set_num_threads(1)
     server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False)
-    print(f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True)
-    run_until_stopped(server)
+    run_until_stopped(server, on_ready=lambda: print(
+        f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True))
     return 0
 
 
