@@ -29,7 +29,7 @@ def cmd_train(args) -> int:
     from hybridrec.train.loop import train
 
     cfg = load_config(args.config, args.set)
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     keys = [k for k in result if k != "best_auc" and k.endswith(("auc", "logloss", "ne"))]
     print("final test " + ", ".join(f"{k}={_fmt(result[k])}" for k in keys))
     if result.get("best_auc") is not None:
@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a YAML config", description="Train a model from a YAML job config.")
     p.add_argument("config", help="YAML job file (see configs/)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start over in a train.output_dir that holds an earlier run (deletes its checkpoints)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
     p.set_defaults(func=cmd_train)

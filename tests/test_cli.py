@@ -70,6 +70,9 @@ def test_train_set_resume_and_eval_end_to_end(tmp_path, capsys):
     assert "final test auc=" in out and "planted model's test AUC" in out and "steps=4 " in out
     assert main(["train", job]) == 2  # a fresh run would overwrite the first one's checkpoints
     assert "--resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", job, "--resume", "--overwrite"])
+    capsys.readouterr()
     assert main(["train", job, "--resume"]) == 0
     out = capsys.readouterr().out
     assert "steps=10 " in out  # 5,000 rows in batches of 512

@@ -121,11 +121,14 @@ def test_evaluating_a_checkpoint_reproduces_the_final_test_auc(tmp_path):
     assert evaluated["auc"] == result["auc"] and evaluated["logloss"] == result["logloss"]
 
 
-def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints_unless_overwriting(tmp_path):
+    train(config(tmp_path, **{"train.max_steps": 5}))
     cfg = config(tmp_path, **{"train.max_steps": 2})
-    train(cfg)
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(FileExistsError, match="--resume.*--overwrite"):
         train(cfg)
+    assert train(cfg, overwrite=True)["step"] == 2
+    assert latest_checkpoint(cfg.train.output_dir).name.endswith("2")  # the old step-5 one is gone
+    assert [r["step"] for r in records(tmp_path / "run") if r["split"] == "final"] == [2]
 
 
 def test_resume_needs_a_checkpoint_and_the_same_data_and_model(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 
 from hybridrec.config import JobConfig
 from hybridrec.data import PrefetchLoader
-from hybridrec.train.checkpoint import latest_checkpoint, load_training, save_training
+from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, load_training, save_training
 from hybridrec.train.data import build_sources
 from hybridrec.train.metrics import MetricAccumulator
 from hybridrec.train.recmodel import RecModel
@@ -60,23 +61,30 @@ def evaluate(model: RecModel, source, label_names) -> dict:
     return acc.compute()
 
 
-def _open_checkpoint(out_dir: Path, resume: bool):
-    """The checkpoint to resume from (None for a fresh run); refuses to mix two runs in one dir."""
+def _open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
+    """The checkpoint to resume from (None for a fresh run); refuses to mix two runs in one dir
+    unless `overwrite`, which deletes the old run's checkpoints."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: continue a run or start it over")
     found = latest_checkpoint(out_dir)
     if resume and found is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
     if not resume and found is not None:
-        raise FileExistsError(f"train.output_dir {str(out_dir)!r} already holds a run's checkpoints ({found.name}); "
-                              f"pass --resume to continue it, or choose another train.output_dir "
-                              f"(--set train.output_dir=...) or delete that directory")
+        if not overwrite:
+            raise FileExistsError(f"train.output_dir {str(out_dir)!r} already holds a run's checkpoints "
+                                  f"({found.name}); pass --resume to continue it, --overwrite to start over "
+                                  f"(deleting them), or choose another train.output_dir (--set train.output_dir=...)")
+        shutil.rmtree(checkpoint_root(out_dir))
+        return None
     return found
 
 
-def train(cfg: JobConfig, resume: bool = False, on_step=None) -> dict:
+def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = False) -> dict:
     """Train as the config says; returns the final test metrics plus run facts.
 
-    A fresh run refuses an output_dir that already holds checkpoints (it would mix two runs);
-    `resume=True` continues from the latest one and ends exactly as an uninterrupted run would.
+    A fresh run refuses an output_dir that already holds checkpoints (it would mix two runs) unless
+    `overwrite=True`; `resume=True` continues from the latest one and ends exactly as an
+    uninterrupted run would.
     `on_step(step, model)` is called after every training step.
     """
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
@@ -85,7 +93,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None) -> dict:
     model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
     optimizer = dense_optimizer(cfg, model.dense_model.parameters())
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
-    checkpoint = _open_checkpoint(out_dir, resume)
+    checkpoint = _open_checkpoint(out_dir, resume, overwrite)
     if checkpoint is not None:
         progress = load_training(checkpoint, model, optimizer, cfg)
     loss_fn = torch.nn.BCEWithLogitsLoss()
