@@ -143,7 +143,7 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
             used = False
             for group, column, offsets in tp.features:
                 if grads[group] is not None:
-                    tp.store.pooled_grad(tp.lookup, offsets, grads[group][:, column, :], ugrad)
+                    tp.store.pooled_grad(tp.lookup, offsets, grads[group], ugrad, column=column)
                     used = True
             if used:
                 tp.store.apply(tp.lookup, ugrad)
@@ -273,7 +273,7 @@ class EmbeddingCollection(torch.nn.Module):
             feats_info = []
             for n, offs in zip(feats, local):
                 gi, ci = slot[n]
-                store.pool(lookup, offs, outputs[gi][:, ci, :])
+                store.pool(lookup, offs, outputs[gi], column=ci)
                 feats_info.append((gi, ci, offs))
             passes.append(_TablePass(store, lookup, feats_info))
         tensors = [torch.from_numpy(o) for o in outputs]

@@ -38,7 +38,7 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
         for u in range(lo, lo + n):
             uniq_keys[u] = meta64[uniq_rows[u], 0]
         base = feat_base[t]
-        K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out[:, t, :])
+        K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
     return -1
 
 
@@ -48,17 +48,14 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
                     dropped):
     """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
     Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
-    finite = True
     for t in range(seg_lo.shape[0]):
         lo = seg_lo[t]
-        for u in range(lo, lo + nuniq[t]):
-            for d in range(ugrad.shape[1]):
-                ugrad[u, d] = 0.0
+        ugrad[lo:lo + nuniq[t]] = 0.0
         base = feat_base[t]
-        finite &= K.scatter_pooled_grad(grad[:, t, :], inverse, sample_offsets[base:base + batch_size + 1],
-                                        pool_modes[t], ugrad)
-    if not finite:
-        return False
+        K.scatter_pooled_grad(grad, t, inverse, sample_offsets[base:base + batch_size + 1], pool_modes[t], ugrad)
+    for t in range(seg_lo.shape[0]):  # a NaN/inf gradient reaches the sum of its row
+        if not K.all_finite(ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]]):
+            return False
     for t in range(seg_lo.shape[0]):
         lo = seg_lo[t]
         n = nuniq[t]

@@ -374,11 +374,19 @@ def compact_unique(starts, nuniq, part_of, uniq_rows, inverse):
 
 # ---------------------------------------------------------------- forward / backward
 
+@njit(inline="always")
+def _pool_scale(n, mode):
+    if n > 1 and mode != 0:
+        return np.float32(1.0 / n) if mode == 1 else np.float32(1.0 / np.sqrt(n))
+    return np.float32(1.0)
+
+
 @njit(cache=True, nogil=True)
-def gather_pool(rows, row_ids, offsets, mode, out):
-    """out[b] = pool(rows[row_ids[offsets[b]:offsets[b+1]], :dim]); mode 0 sum, 1 mean, 2 sqrt-n.
-    Missing rows (-1: absent or not admitted) read as zeros."""
-    dim = out.shape[1]
+def gather_pool(rows, row_ids, offsets, mode, out, col):
+    """out[b, col] = pool(rows[row_ids[offsets[b]:offsets[b+1]]]); mode 0 sum, 1 mean, 2 sqrt-n.
+    `out` is [B, C, dim] (C-contiguous, so the inner copy vectorises). Missing rows (-1: absent or
+    not admitted) read as zeros."""
+    dim = out.shape[2]
     nb = out.shape[0]
     for b in range(nb):
         ahead = offsets[min(b + PREFETCH_ROW, nb)]
@@ -390,23 +398,22 @@ def gather_pool(rows, row_ids, offsets, mode, out):
             r = row_ids[start]
             if r >= 0:
                 for d in range(dim):
-                    out[b, d] = rows[r, d]
+                    out[b, col, d] = rows[r, d]
             else:
                 for d in range(dim):
-                    out[b, d] = 0.0
+                    out[b, col, d] = 0.0
             continue
         for d in range(dim):
-            out[b, d] = 0.0
+            out[b, col, d] = 0.0
         for i in range(start, end):
             r = row_ids[i]
             if r >= 0:
                 for d in range(dim):
-                    out[b, d] += rows[r, d]
-        n = end - start
-        if n > 1 and mode != 0:
-            scale = 1.0 / n if mode == 1 else 1.0 / np.sqrt(n)
+                    out[b, col, d] += rows[r, d]
+        scale = _pool_scale(end - start, mode)
+        if scale != 1.0:
             for d in range(dim):
-                out[b, d] *= scale
+                out[b, col, d] *= scale
 
 
 @njit(cache=True, nogil=True)
@@ -424,26 +431,19 @@ def gather_rows(rows, row_ids, out):
 
 
 @njit(cache=True, nogil=True)
-def scatter_pooled_grad(grad, inverse, offsets, mode, ugrad):
-    """Accumulate the gradient of pooled outputs onto unique rows (the transpose of gather_pool);
-    returns whether every gradient it read was finite."""
-    dim = grad.shape[1]
-    finite = True
+def scatter_pooled_grad(grad, col, inverse, offsets, mode, ugrad):
+    """Accumulate the gradient of pooled outputs grad[:, col] ([B, C, dim]) onto unique rows:
+    the transpose of gather_pool. NaN/inf propagate into ugrad, where callers check for them."""
+    dim = grad.shape[2]
     for b in range(grad.shape[0]):
         start = offsets[b]
         end = offsets[b + 1]
-        n = end - start
-        scale = 1.0
-        if n > 1 and mode != 0:
-            scale = 1.0 / n if mode == 1 else 1.0 / np.sqrt(n)
+        scale = _pool_scale(end - start, mode)
         for i in range(start, end):
             u = inverse[i]
             if u >= 0:
                 for d in range(dim):
-                    v = grad[b, d]
-                    finite &= np.isfinite(v)
-                    ugrad[u, d] += scale * v
-    return finite
+                    ugrad[u, d] += scale * grad[b, col, d]
 
 
 @njit(cache=True, nogil=True)

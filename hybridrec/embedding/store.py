@@ -330,14 +330,18 @@ class EmbeddingStore:
             return self.apply(found, ugrad) + missing
 
     # ---------------------------------------------------------------- pooled forward / backward
-    def pool(self, lookup: Lookup, offsets: np.ndarray, out: np.ndarray, mode: int | None = None) -> None:
-        """out[b] = pooled rows of lookup.rows[offsets[b]:offsets[b+1]] (the table's pooling mode)."""
-        K.gather_pool(self.rows, lookup.rows, offsets, self.pool_mode if mode is None else mode, out)
+    def pool(self, lookup: Lookup, offsets: np.ndarray, out: np.ndarray, mode: int | None = None,
+             column: int | None = None) -> None:
+        """out[b] = pooled rows of lookup.rows[offsets[b]:offsets[b+1]] (the table's pooling mode);
+        `out` is [B, dim], or [B, C, dim] with `column` naming where this table's output goes."""
+        out3, column = _as_columns(out, column)
+        K.gather_pool(self.rows, lookup.rows, offsets, self.pool_mode if mode is None else mode, out3, column)
 
     def pooled_grad(self, lookup: Lookup, offsets: np.ndarray, grad: np.ndarray, ugrad: np.ndarray,
-                    mode: int | None = None) -> None:
+                    mode: int | None = None, column: int | None = None) -> None:
         """Add the gradient of pooled outputs into ugrad [num_unique, dim] (transpose of `pool`)."""
-        K.scatter_pooled_grad(grad, lookup.inverse, offsets, self.pool_mode if mode is None else mode, ugrad)
+        grad3, column = _as_columns(grad, column)
+        K.scatter_pooled_grad(grad3, column, lookup.inverse, offsets, self.pool_mode if mode is None else mode, ugrad)
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory, extra: dict | None = None):
@@ -425,3 +429,12 @@ class EmbeddingStore:
         for arr in (self.rows, self.meta, self.index, self.parts, self.scalars, self.sketch):
             if isinstance(arr, np.memmap):
                 arr.flush()
+
+
+def _as_columns(arr: np.ndarray, column: int | None):
+    """A [B, dim] array as [B, 1, dim] (column 0), or a [B, C, dim] array with its column."""
+    if column is None:
+        if arr.ndim != 2:
+            raise ValueError(f"expected a [B, dim] array, got shape {arr.shape}")
+        return arr.reshape(arr.shape[0], 1, arr.shape[1]), 0
+    return arr, column
