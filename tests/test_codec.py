@@ -69,9 +69,12 @@ def test_unique_codec_sends_each_key_once_per_feature_and_ranks_only_when_needed
     encoded = UniqueIdCodec().encode(one_hot)
     np.testing.assert_array_equal(np.sort(encoded.arrays["keys"]), [3, 7])
     assert "ranks" not in encoded.arrays
-    unsorted_bag = JaggedFeatures(["a"], np.array([9, 1], dtype=np.uint64),
-                                  np.array([0, 2], dtype=np.int64))
-    assert "ranks" in UniqueIdCodec().encode(unsorted_bag).arrays
+    # sample 1 lists key 9 before key 1, which the batch saw first (in sample 0)
+    reordered = JaggedFeatures(["a"], np.array([1, 9, 1], dtype=np.uint64),
+                               np.array([0, 1, 3], dtype=np.int64))
+    encoded = UniqueIdCodec().encode(reordered)
+    assert "ranks" in encoded.arrays
+    assert_same_features(UniqueIdCodec().decode(encoded), reordered)
 
 
 def test_unique_ids_and_fp16_rows_take_3x_fewer_bytes_than_int64_keys_and_fp32_rows():

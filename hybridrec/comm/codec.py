@@ -15,8 +15,8 @@ Two independent choices, each selected per job by name (Persia §4.2.3):
 
 Every `encode` returns an `Encoded` (named arrays + small JSON-able metadata) whose `nbytes`
 is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transport` sends.
-All work is vectorised numpy (IDs) or torch ops (fp16 casts, which numpy does slowly): no
-Python loop per ID or per row.
+ID work runs in numba kernels and fp16 casts in torch ops (numpy's are slow): no Python loop
+per ID or per row.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 
 from hybridrec.data.batch import JaggedFeatures
+from hybridrec.embedding.hashing import mix64
 
 MAX_SUB_BATCH = 65535  # sample positions must fit in uint16
 FP16_SCALE_TARGET = 16384.0  # K: a block's largest magnitude maps here, well inside fp16's 65504
@@ -109,17 +111,137 @@ class RawIdCodec:
         return JaggedFeatures(list(names), keys.view(np.uint64).copy(), offsets.copy()).validate()
 
 
+@njit(cache=True, nogil=True)
+def _unique_encode(values, offsets, batch_size, num_features, sub, slots,
+                   keys, key_counts, group_sizes, positions, ranks):
+    """Fill the wire arrays of `UniqueIdCodec`; returns (number of unique keys, ranks needed).
+
+    Per group (sub-batch c, feature f), whose IDs are the contiguous
+    values[offsets[f*B + c*sub] : offsets[f*B + end of sub-batch]]: dedup with an open-addressing
+    table (`slots`: int64 -1, power-of-two length > the longest group), count, then place each
+    occurrence's sample position (and in-bag rank) in its key's run with a counting sort.
+    """
+    mask = np.int64(slots.shape[0] - 1)
+    local = np.empty(values.shape[0], np.int64)  # index of each occurrence's key in its group
+    slot_of = np.empty(values.shape[0], np.int64)
+    cursor = np.empty(values.shape[0], np.int64)
+    unique_base = 0
+    occurrence_base = 0  # groups are laid out sub-batch-major, unlike the feature-major values
+    needs_ranks = False
+    for c in range((batch_size + sub - 1) // sub):
+        first_sample = c * sub
+        end_sample = min(batch_size, first_sample + sub)
+        for f in range(num_features):
+            bag0 = f * batch_size
+            lo = offsets[bag0 + first_sample]
+            hi = offsets[bag0 + end_sample]
+            num_unique = 0
+            for i in range(lo, hi):
+                key = values[i]
+                slot = np.int64(mix64(key) & np.uint64(mask))
+                while True:
+                    u = slots[slot]
+                    if u < 0:
+                        slots[slot] = num_unique
+                        slot_of[num_unique] = slot
+                        keys[unique_base + num_unique] = key
+                        key_counts[unique_base + num_unique] = 0
+                        local[i] = num_unique
+                        num_unique += 1
+                        break
+                    if keys[unique_base + u] == key:
+                        local[i] = u
+                        break
+                    slot = (slot + 1) & mask
+                key_counts[unique_base + local[i]] += 1
+            group_sizes[c * num_features + f] = num_unique
+            run = occurrence_base  # the group's k-th key's occurrences start at cursor[k]
+            for k in range(num_unique):
+                slots[slot_of[k]] = -1  # leave the table empty for the next group
+                cursor[k] = run
+                run += key_counts[unique_base + k]
+            for b in range(first_sample, end_sample):
+                start = offsets[bag0 + b]
+                for i in range(start, offsets[bag0 + b + 1]):
+                    k = local[i]
+                    positions[cursor[k]] = b - first_sample
+                    ranks[cursor[k]] = i - start
+                    cursor[k] += 1
+                    if i > start and k < local[i - 1]:
+                        needs_ranks = True
+            unique_base += num_unique
+            occurrence_base += hi - lo
+    return unique_base, needs_ranks
+
+
+@njit(cache=True, nogil=True)
+def _unique_decode(keys, key_counts, group_sizes, positions, ranks, has_ranks, batch_size,
+                   num_features, sub, values, offsets):
+    """Rebuild (values, offsets) from the wire arrays; returns 0 or an error code:
+    1 a position past its sub-batch, 2 a rank past its bag, 3 two IDs given one place."""
+    num_bags = num_features * batch_size
+    bag_of = np.empty(positions.shape[0], np.int64)
+    lengths = np.zeros(num_bags + 1, np.int64)
+    occurrence = 0
+    key = 0
+    for g in range(group_sizes.shape[0]):
+        first_sample = (g // num_features) * sub
+        samples = min(sub, batch_size - first_sample)
+        bag0 = (g % num_features) * batch_size + first_sample
+        for _ in range(group_sizes[g]):
+            for _ in range(key_counts[key]):
+                position = np.int64(positions[occurrence])
+                if position >= samples:
+                    return 1
+                bag_of[occurrence] = bag0 + position
+                lengths[bag0 + position + 1] += 1
+                occurrence += 1
+            key += 1
+    offsets[0] = 0
+    for b in range(num_bags):
+        offsets[b + 1] = offsets[b] + lengths[b + 1]
+    filled = np.zeros(positions.shape[0], np.bool_)
+    fill = np.zeros(num_bags, np.int64)  # next free place per bag, without ranks
+    occurrence = 0
+    for k in range(keys.shape[0]):
+        for _ in range(key_counts[k]):
+            bag = bag_of[occurrence]
+            if has_ranks:
+                rank = np.int64(ranks[occurrence])
+                if rank >= offsets[bag + 1] - offsets[bag]:
+                    return 2
+            else:
+                rank = fill[bag]
+                fill[bag] += 1
+            place = offsets[bag] + rank
+            if filled[place]:
+                return 3
+            filled[place] = True
+            values[place] = keys[k]
+            occurrence += 1
+    return 0
+
+
+_DECODE_ERRORS = {
+    1: "encoded 'positions' point past the samples of their sub-batch",
+    2: "encoded 'ranks' point past the end of their bag",
+    3: "encoded 'ranks' put two IDs in the same place of a bag",
+}
+
+
 class UniqueIdCodec:
     """Persia's lossless ID codec: unique keys per feature + uint16 sample positions.
 
     Wire arrays (groups are (sub-batch, feature) pairs, sub-batch-major):
-      ``keys`` uint64[U]: each group's unique keys, ascending;
+      ``keys`` uint64[U]: each group's unique keys, in order of first appearance;
       ``key_counts`` uint32[U]: occurrences of each key in its group;
       ``group_sizes`` int64[G]: how many unique keys each group has;
       ``positions`` uint16[N]: grouped by key, the sample (within its sub-batch) of every
       occurrence, ascending;
-      ``ranks`` uint16|uint32[N] (only when some bag is not in ascending key order): each
-      occurrence's index inside its bag, so any bag order round-trips exactly.
+      ``ranks`` uint16|uint32[N] (only when some bag lists a key before one that appeared
+      earlier in the batch, which never happens for one-hot features): each occurrence's
+      index inside its bag, so any bag order round-trips exactly.
+    Encode and decode are numba kernels, linear in the number of IDs.
     """
 
     name = "unique"
@@ -135,32 +257,24 @@ class UniqueIdCodec:
         values, offsets, batch_size = _check_features(features)
         num_features = len(features.names)
         sub = self.max_sub_batch
-        num_groups = -(-batch_size // sub) * num_features
-        num_bags = num_features * batch_size
-        bag_lengths = np.diff(offsets)
-        sample_of_bag = np.tile(np.arange(batch_size, dtype=np.int64), num_features)
-        feature_of_bag = np.repeat(np.arange(num_features, dtype=np.int64), batch_size)
-        group_of_bag = (sample_of_bag // sub) * num_features + feature_of_bag
-        bag_of_occurrence = np.repeat(np.arange(num_bags, dtype=np.int64), bag_lengths)
-        group_of_occurrence = group_of_bag[bag_of_occurrence]
-
-        order = np.lexsort((values, group_of_occurrence))  # stable: samples stay ascending
-        sorted_keys = values[order]
-        sorted_groups = group_of_occurrence[order]
-        is_first = np.ones(len(values), dtype=bool)
-        is_first[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_groups[1:] != sorted_groups[:-1])
-        first = np.flatnonzero(is_first)
-        arrays = {
-            "keys": sorted_keys[first],
-            "key_counts": np.diff(np.append(first, len(values))).astype(np.uint32),
-            "group_sizes": np.bincount(sorted_groups[first], minlength=num_groups).astype(np.int64),
-            "positions": (sample_of_bag[bag_of_occurrence[order]] % sub).astype(np.uint16),
-        }
-        same_bag = bag_of_occurrence[1:] == bag_of_occurrence[:-1]
-        if np.any(same_bag & (values[1:] < values[:-1])):
-            rank_in_bag = np.arange(len(values), dtype=np.int64) - offsets[bag_of_occurrence]
-            rank_dtype = np.uint16 if bag_lengths.max() <= 65536 else np.uint32
-            arrays["ranks"] = rank_in_bag[order].astype(rank_dtype)
+        num_ids = len(values)
+        keys = np.empty(num_ids, np.uint64)
+        key_counts = np.empty(num_ids, np.uint32)
+        group_sizes = np.empty(-(-batch_size // sub) * num_features, np.int64)
+        positions = np.empty(num_ids, np.uint16)
+        ranks = np.empty(num_ids, np.uint32)
+        group_starts = np.arange(0, batch_size, sub)
+        bag_starts = (np.arange(num_features)[:, None] * batch_size + group_starts).ravel()
+        bag_ends = bag_starts + np.minimum(sub, batch_size - np.tile(group_starts, num_features))
+        longest = int((offsets[bag_ends] - offsets[bag_starts]).max(initial=0))
+        slots = np.full(1 << max(4, (2 * longest).bit_length()), -1, np.int64)  # one group's keys
+        num_unique, needs_ranks = _unique_encode(values, offsets, batch_size, num_features, sub,
+                                                 slots, keys, key_counts, group_sizes, positions,
+                                                 ranks)
+        arrays = {"keys": keys[:num_unique], "key_counts": key_counts[:num_unique],
+                  "group_sizes": group_sizes, "positions": positions}
+        if needs_ranks:
+            arrays["ranks"] = ranks.astype(np.uint16) if ranks.max() < 65536 else ranks
         meta = {"names": list(features.names), "batch_size": batch_size, "max_sub_batch": sub}
         return Encoded(self.name, arrays, meta)
 
@@ -171,47 +285,33 @@ class UniqueIdCodec:
         if not isinstance(sub, int) or not 1 <= sub <= MAX_SUB_BATCH:
             raise ValueError(f"encoded meta 'max_sub_batch' must be in [1, {MAX_SUB_BATCH}], got {sub!r}")
         keys = _array(encoded, "keys", np.uint64)
-        key_counts = _array(encoded, "key_counts", np.uint32).astype(np.int64)
+        key_counts = _array(encoded, "key_counts", np.uint32)
         group_sizes = _array(encoded, "group_sizes", np.int64)
-        positions = _array(encoded, "positions", np.uint16).astype(np.int64)
-        num_features = len(names)
-        num_groups = -(-batch_size // sub) * num_features
+        positions = _array(encoded, "positions", np.uint16)
+        num_groups = -(-batch_size // sub) * len(names)
         if len(group_sizes) != num_groups or np.any(group_sizes < 0) or group_sizes.sum() != len(keys):
             raise ValueError(
                 f"encoded 'group_sizes' must hold {num_groups} non-negative counts summing to "
                 f"len(keys)={len(keys)}"
             )
-        if len(key_counts) != len(keys) or key_counts.sum() != len(positions):
+        if len(key_counts) != len(keys) or key_counts.sum(dtype=np.int64) != len(positions):
             raise ValueError(
                 f"encoded 'key_counts' must hold one count per key ({len(keys)}) summing to "
                 f"len(positions)={len(positions)}"
             )
-        group_of_occurrence = np.repeat(np.repeat(np.arange(num_groups), group_sizes), key_counts)
-        sample = (group_of_occurrence // num_features) * sub + positions
-        if np.any(positions >= sub) or np.any(sample >= batch_size):
-            raise ValueError(f"encoded 'positions' point past the batch of {batch_size} samples")
-        bag = (group_of_occurrence % num_features) * batch_size + sample
-        bag_lengths = np.bincount(bag, minlength=num_features * batch_size)
-        offsets = np.zeros(num_features * batch_size + 1, dtype=np.int64)
-        np.cumsum(bag_lengths, out=offsets[1:])
-        occurrence_keys = np.repeat(keys, key_counts)
-        if "ranks" in encoded.arrays:
-            ranks = np.asarray(encoded.arrays["ranks"])
-            if ranks.dtype not in (np.uint16, np.uint32) or len(ranks) != len(positions):
-                raise ValueError(
-                    f"encoded 'ranks' must be uint16/uint32 with {len(positions)} entries, "
-                    f"got {ranks.dtype} with {len(ranks)}"
-                )
-            ranks = ranks.astype(np.int64)
-            if np.any(ranks >= bag_lengths[bag]):
-                raise ValueError("encoded 'ranks' point past the end of their bag")
-            slot = offsets[bag] + ranks
-            if len(slot) and np.bincount(slot, minlength=len(slot)).max() > 1:
-                raise ValueError("encoded 'ranks' put two IDs in the same place of a bag")
-            values = np.empty(len(positions), dtype=np.uint64)
-            values[slot] = occurrence_keys
-        else:  # every bag was in ascending key order: a stable sort by bag restores it
-            values = occurrence_keys[np.argsort(bag, kind="stable")]
+        ranks = encoded.arrays.get("ranks")
+        if ranks is not None and (ranks.dtype not in (np.uint16, np.uint32) or len(ranks) != len(positions)):
+            raise ValueError(
+                f"encoded 'ranks' must be uint16/uint32 with {len(positions)} entries, "
+                f"got {ranks.dtype} with {len(ranks)}"
+            )
+        values = np.empty(len(positions), np.uint64)
+        offsets = np.empty(len(names) * batch_size + 1, np.int64)
+        error = _unique_decode(keys, key_counts, group_sizes, positions,
+                               positions if ranks is None else ranks, ranks is not None,
+                               batch_size, len(names), sub, values, offsets)
+        if error:
+            raise ValueError(_DECODE_ERRORS[error])
         return JaggedFeatures(list(names), values, offsets)
 
 
