@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="distinct keys per lookup (default 16384)")
     parser.add_argument("--codec", choices=["none", "fp16"], default="none",
                         help="value codec on the wire (default none)")
+    parser.add_argument("--keys-per-request", type=positive_int, default=16_384,
+                        help="largest request the client sends to one server (default 16384)")
     parser.add_argument("--seed", type=int, default=0)
     add_timing_arguments(parser, warmup=3, batches=10, repeats=5)
     return parser
@@ -73,8 +75,8 @@ def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
             processes.append(launch(["--port", "0", "--threads", str(args.server_threads),
                                      "--table", f"{TABLE}:{args.dim}:{capacity}"],
                                     env={**os.environ, "NUMBA_NUM_THREADS": "1"}))
-        with PSClient([address for _, address in processes], timeout=60,
-                      value_codec=args.codec) as client:
+        with PSClient([address for _, address in processes], timeout=60, value_codec=args.codec,
+                      max_keys_per_request=args.keys_per_request) as client:
             for start in range(0, args.rows, PRELOAD_CHUNK):
                 client.lookup(TABLE, keys[start:start + PRELOAD_CHUNK])
             store = EmbeddingStore(dim=args.dim, capacity=2 * args.rows)
@@ -103,8 +105,8 @@ def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
         "ps_over_store": paired_ratio(rates["ps"], rates["store"]),
         "ps_gb_per_s_runs": [rate * gb for rate in rates["ps"].rates],
         "settings": {name: getattr(args, name) for name in
-                     ("servers", "server_threads", "dim", "rows", "batch", "codec", "seed",
-                      "warmup", "batches", "repeats")},
+                     ("servers", "server_threads", "dim", "rows", "batch", "codec",
+                      "keys_per_request", "seed", "warmup", "batches", "repeats")},
     }
 
 
