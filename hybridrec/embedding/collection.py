@@ -89,13 +89,14 @@ class _TableGroup:
         uniq_keys = np.empty(n, np.uint64)
         nuniq = np.zeros(len(names), np.int64)
         out = np.empty((bsz, len(names), dim), np.float32)
-        failed = GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz,
+        failed = np.zeros(len(names), np.int64)
+        GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz,
                                        self.rows_l, self.meta_l, self.meta64_l, self.index_l, self.parts_l,
                                        self.sketch_l, self.scalars_l, self.icfg, self.fcfg, self.seeds,
                                        self.pool_modes, K.MODE_TRAIN if train else K.MODE_FIND, out_rows,
-                                       inverse, uniq_rows, uniq_keys, nuniq, out)
-        if failed >= 0:
-            self.stores[failed]._raise_full()
+                                       inverse, uniq_rows, uniq_keys, nuniq, out, failed)
+        if failed.any():
+            self.stores[int(np.argmax(failed))]._raise_full()
         return out, _GroupPass(self, inverse, seg_lo, feat_base, features.offsets, bsz, uniq_rows, uniq_keys, nuniq)
 
 

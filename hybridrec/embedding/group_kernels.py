@@ -3,25 +3,26 @@ scatter + fused update for a whole batch.
 
 The collection's fast path. With one store per feature, calling the per-table kernels costs
 four Python round trips per table per step; here a batch costs two calls whatever the number
-of tables. Each table's arrays arrive through numba typed lists; table t serves the key
+of tables, and with more than one numba thread the tables are served in parallel (Persia's
+per-thread subsets, here one table per task). Each table's arrays arrive through numba typed lists; table t serves the key
 segment [seg_lo[t], seg_hi[t]) of the batch (feature-major, so a feature's keys are contiguous) and
 its unique rows occupy uniq_rows[seg_lo[t] : seg_lo[t] + nuniq[t]]. The probe, the pooling and the
 update are the per-table kernels of kernels.py, so both paths compute the same values.
 """
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import kernels as K
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
                        meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode,
-                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
-    """Probe every table's segment, then pool it into out[:, t, :]. Returns the first table
-    that ran out of evictable rows, or -1."""
+                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out, failed):
+    """Probe every table's segment, then pool it into out[:, t, :]. failed[t] = 1 for a table
+    that ran out of evictable rows."""
     empty = np.empty(0, np.int64)
-    for t in range(seg_lo.shape[0]):
+    for t in prange(seg_lo.shape[0]):
         lo = seg_lo[t]
         hi = seg_hi[t]
         scalars = scalars_l[t]
@@ -31,32 +32,34 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
                                      index_l[t], parts_l[t], sketch_l[t], icfg[t], fcfg[t], seeds[t],
                                      scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
         scalars[K.SC_DIRTY] = 0
+        failed[t] = err
         if err != 0:
-            return t
+            continue
         nuniq[t] = n
         meta64 = meta64_l[t]
         for u in range(lo, lo + n):
             uniq_keys[u] = meta64[uniq_rows[u], 0]
         base = feat_base[t]
         K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
-    return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size, rows_l, meta_l, meta64_l,
                     scalars_l, uniq_rows, uniq_keys, nuniq, ugrad, icfg, fcfg, opt_codes, opt_params, pool_modes,
                     dropped):
     """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
     Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
-    for t in range(seg_lo.shape[0]):
+    ntab = seg_lo.shape[0]
+    finite = np.ones(ntab, np.bool_)
+    for t in prange(ntab):
         lo = seg_lo[t]
         ugrad[lo:lo + nuniq[t]] = 0.0
         base = feat_base[t]
         K.scatter_pooled_grad(grad, t, inverse, sample_offsets[base:base + batch_size + 1], pool_modes[t], ugrad)
-    for t in range(seg_lo.shape[0]):  # a NaN/inf gradient reaches the sum of its row
-        if not K.all_finite(ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]]):
-            return False
-    for t in range(seg_lo.shape[0]):
+        finite[t] = K.all_finite(ugrad[lo:lo + nuniq[t]])  # a NaN/inf gradient reaches its row's sum
+    if not finite.all():
+        return False
+    for t in prange(ntab):
         lo = seg_lo[t]
         n = nuniq[t]
         scalars = scalars_l[t]
