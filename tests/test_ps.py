@@ -10,7 +10,7 @@ import pytest
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.ps import PSClient, serve
-from hybridrec.ps.server import launch
+from hybridrec.ps.server import launch, main as server_main
 
 TABLES = {"user": {"dim": 8, "capacity": 20_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3},
           "item": {"dim": 4, "capacity": 1_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
@@ -221,3 +221,12 @@ def test_lookups_and_pushes_split_into_many_requests_give_the_same_rows(local_se
         np.testing.assert_array_equal(split.lookup("user", keys, insert=False), before)
         split.push("user", keys, grads)
         np.testing.assert_allclose(whole.lookup("user", keys, insert=False), before + sgd_step, atol=1e-5)
+
+
+def test_server_command_line_rejects_bad_tables_and_launch_reports_it():
+    with pytest.raises(SystemExit):
+        server_main(["--table", "user:sixteen:1000"])
+    with pytest.raises(SystemExit):
+        server_main([])  # no table at all
+    with pytest.raises(RuntimeError, match="did not start"):
+        launch(["--table", "user:8"], startup_timeout=STARTUP_SECONDS)
