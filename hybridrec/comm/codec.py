@@ -11,7 +11,7 @@ Two independent choices, each selected per job by name (Persia §4.2.3):
 * Value codecs for embedding rows (forward) and their gradients (backward):
   - ``"none"``: float32 rows.
   - ``"fp16"``: every block of a row is scaled by K / ||block||_inf, cast to float16, and
-    divided back on decode; only the block's L-infinity norm travels beside it.
+    divided back on decode; the block's scale travels beside it as one float32.
 
 Every `encode` returns an `Encoded` (named arrays + small JSON-able metadata) whose `nbytes`
 is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transport` sends.
