@@ -4,18 +4,22 @@ checkpoint evaluates to the run's final AUC; several label columns train as seve
 malformed CSV rows are counted and skipped; misuse of output directories is refused."""
 import copy
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hybridrec.config import ConfigError, parse_config
+from hybridrec.config import ConfigError, load_config, parse_config
 from hybridrec.train.checkpoint import latest_checkpoint, load_training
 from hybridrec.train.data import build_sources
 from hybridrec.train.loop import evaluate_checkpoint, train
 from hybridrec.train.recmodel import RecModel, embedding_tables
 
 torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+CRITEO_SAMPLE = Path(__file__).resolve().parents[2] / "shared/data/criteo-sample/criteo_first_9999.tsv"
 
 SMALL = {
     "seed": 0,
@@ -232,3 +236,14 @@ def test_per_feature_shared_and_wide_sections_change_only_what_they_name(tmp_pat
     wide, _ = embedding_tables(cfg, names, 1, wide=True)
     assert all(t.admit_min_frequency == 1 and t.capacity == 777 and t.dim == 1 for t in wide.values())
     assert len({t.seed for t in list(deep.values()) + list(wide.values())}) == len(deep) + len(wide)
+
+
+@pytest.mark.parametrize("name", ["deepfm_criteo_sample", "dcn_criteo_sample"])
+def test_the_criteo_sample_configs_beat_auc_0_70_on_the_held_out_rows(tmp_path, name):
+    if not CRITEO_SAMPLE.is_file():
+        pytest.skip(f"the Criteo sample is not at {CRITEO_SAMPLE}")
+    cfg = load_config(REPO / "configs" / f"{name}.yaml",
+                      [f"data.path={CRITEO_SAMPLE}", f"train.output_dir={tmp_path / 'run'}", "train.progress=false"])
+    result = train(cfg)
+    assert result["count"] == 1_999  # rows 8,000.. of the 9,999 are the test set
+    assert result["auc"] >= 0.70, result
