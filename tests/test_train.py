@@ -49,7 +49,7 @@ def records(out_dir) -> list[dict]:
 
 
 def test_a_small_synthetic_run_learns_and_leaves_metrics_and_a_checkpoint(tmp_path):
-    cfg = config(tmp_path)
+    cfg = config(tmp_path, **{"train.eval_every": 20})
     result = train(cfg)
     assert result["auc"] > 0.65, result
     assert result["auc"] <= result["best_auc"] + 0.01  # the planted model is the ceiling
@@ -58,6 +58,8 @@ def test_a_small_synthetic_run_learns_and_leaves_metrics_and_a_checkpoint(tmp_pa
     lines = records(out)
     train_lines = [r for r in lines if r["split"] == "train"]
     assert [r["step"] for r in train_lines] == [10, 20, 30, 40]
+    test_lines = [r for r in lines if r["split"] == "test"]
+    assert [r["step"] for r in test_lines] == [20, 40] and test_lines[0]["auc"] > 0.5
     assert lines[-1]["split"] == "final" and lines[-1]["auc"] == result["auc"]
     checkpoint = latest_checkpoint(out)
     assert checkpoint is not None

@@ -25,6 +25,7 @@ from hybridrec.train.reporting import Reporter
 
 
 def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
+    """Seed every random generator training may use and set the torch and numba thread counts."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -40,6 +41,7 @@ def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
 
 
 def dense_optimizer(cfg: JobConfig, params):
+    """The torch optimizer of the dense model's parameters, as train.dense_optimizer says."""
     d = cfg.train.dense_optimizer
     cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[d.name]
     return cls(params, lr=d.lr, weight_decay=d.weight_decay)
