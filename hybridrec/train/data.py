@@ -28,6 +28,7 @@ class DataSources:
     num_dense: int
     label_names: list[str]
     best_auc: float | None = None  # synthetic data only: the planted model's test AUC
+    train_rows: int | None = None  # rows in the training split when known without reading it (all ranks)
     train_reader: object = None  # the file readers under train/test (they count bad rows)
     test_reader: object = None
 
@@ -89,10 +90,11 @@ def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1
         train = SyntheticReader(syn, rows, cfg.batch_size, seed=seed, rank=rank, world_size=world_size)
         test = SyntheticReader(syn, cfg.synthetic.test_rows, eval_bs, seed=seed, first_row=rows)
         best = planted_auc(syn, cfg.synthetic.test_rows, seed=seed, first_row=rows) if with_best_auc else None
-        return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best)
+        return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best, train_rows=rows)
     _check_paths(cfg)
     schema = _schema(cfg)
     train_reader = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
+    train_rows = cfg.train_rows
     if cfg.test_path is not None:
         test_reader = _file_reader(cfg, cfg.test_path, eval_bs, 0, 1)
         train, test = train_reader, test_reader
@@ -105,5 +107,6 @@ def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1
             total = test_reader.count_rows()
             train, _ = split_fraction(train_reader, cfg.test_fraction, total)
             _, test = split_fraction(test_reader, cfg.test_fraction, total)
+            train_rows = train.stop
     return DataSources(train, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels),
-                       train_reader=train_reader, test_reader=test_reader)
+                       train_rows=train_rows, train_reader=train_reader, test_reader=test_reader)

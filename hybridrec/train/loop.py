@@ -81,6 +81,15 @@ def _open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
     return found
 
 
+def _total_steps(cfg: JobConfig, sources) -> int | None:
+    """Steps the run will take, for the progress bar (None when the data's size is unknown);
+    batches of `batch_size` rows, which rows dropped as bad can make a few less."""
+    by_data = (cfg.train.epochs * -(-sources.train_rows // cfg.data.batch_size)
+               if sources.train_rows is not None else None)
+    limits = [n for n in (by_data, cfg.train.max_steps) if n is not None]
+    return min(limits) if limits else None
+
+
 def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = False) -> dict:
     """Train as the config says; returns the final test metrics plus run facts.
 
@@ -103,7 +112,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     done = max_steps is not None and progress["step"] >= max_steps
     train_seconds, samples_this_run = 0.0, 0  # wall time of training steps, data waits included
     model.train()
-    with Reporter(out_dir, cfg.train, total_steps=max_steps, resumed_step=progress["step"],
+    with Reporter(out_dir, cfg.train, total_steps=_total_steps(cfg, sources), resumed_step=progress["step"],
                   append=checkpoint is not None) as reporter:
         for epoch in range(progress["epoch"], cfg.train.epochs):
             if done:
