@@ -171,6 +171,7 @@ class TrainConfig(_Section):
     eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = at the end only")
     log_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     output_dir: str = "runs/default"
     threads: int = Field(1, ge=1, le=256)
     deterministic: bool = True

@@ -102,6 +102,8 @@ def test_resume_after_a_crash_ends_exactly_like_an_uninterrupted_run(tmp_path, m
     with pytest.raises(Crash):
         train(broken, on_step=crash_at(24))
     assert latest_checkpoint(broken.train.output_dir).name.endswith("21")
+    kept = sorted(p.name for p in (tmp_path / "broken" / "checkpoints").glob("step-*"))
+    assert kept == ["step-000000014", "step-000000021"]  # train.keep_checkpoints: the newest 2
     resumed = train(broken, resume=True)
 
     assert resumed["step"] == expected["step"] == 32

@@ -45,8 +45,9 @@ def checkpoint_root(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save_training(output_dir, model, optimizer, progress: dict, cfg=None) -> Path:
-    """Write a complete checkpoint of the run at `progress['step']` and point `latest` at it."""
+def save_training(output_dir, model, optimizer, progress: dict, cfg=None, keep: int | None = None) -> Path:
+    """Write a complete checkpoint of the run at `progress['step']`, point `latest` at it and, with
+    `keep`, delete all but the newest `keep` checkpoints."""
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{progress['step']:09d}"
@@ -64,6 +65,10 @@ def save_training(output_dir, model, optimizer, progress: dict, cfg=None) -> Pat
     os.replace(tmp, final)
     (root / "latest.tmp").write_text(final.name)
     os.replace(root / "latest.tmp", root / "latest")
+    if keep is not None:
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -142,7 +142,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                         reporter.eval_result(step, evaluate(model, sources.test, sources.label_names))
                     if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                        save_training(out_dir, model, optimizer, progress, cfg)
+                        save_training(out_dir, model, optimizer, progress, cfg, cfg.train.keep_checkpoints)
                     if max_steps is not None and step >= max_steps:
                         done = True
                         break
@@ -151,7 +151,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                 progress.update(epoch=epoch + 1, batch_in_epoch=0)
         # checkpoint before the final evaluation: evaluating reads the stores, and a resumed run
         # must start from the state training left, whatever was evaluated in between
-        save_training(out_dir, model, optimizer, progress, cfg)
+        save_training(out_dir, model, optimizer, progress, cfg, cfg.train.keep_checkpoints)
         result = {**evaluate(model, sources.test, sources.label_names),
                   "step": progress["step"], "samples": progress["samples"],
                   "train_samples_per_s": samples_this_run / train_seconds if train_seconds else None,
