@@ -9,6 +9,7 @@ gradient onto the batch's unique rows and applies the table's fused sparse optim
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Mapping
 
@@ -33,6 +34,15 @@ class _TablePass:
 
 
 _EMPTY = np.empty(0, np.int64)
+
+
+@contextlib.contextmanager
+def _locked(stores):
+    """Hold every store's lock (in one fixed order) while a group kernel mutates them."""
+    with contextlib.ExitStack() as stack:
+        for store in stores:
+            stack.enter_context(store._lock)
+        yield
 
 
 class _TableGroup:
@@ -90,11 +100,12 @@ class _TableGroup:
         nuniq = np.zeros(len(names), np.int64)
         out = np.empty((bsz, len(names), dim), np.float32)
         failed = np.zeros(len(names), np.int64)
-        GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz,
-                                       self.rows_l, self.meta_l, self.meta64_l, self.index_l, self.parts_l,
-                                       self.sketch_l, self.scalars_l, self.icfg, self.fcfg, self.seeds,
-                                       self.pool_modes, K.MODE_TRAIN if train else K.MODE_FIND, out_rows,
-                                       inverse, uniq_rows, uniq_keys, nuniq, out, failed)
+        with _locked(self.stores):
+            GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz, self.rows_l,
+                                  self.meta_l, self.meta64_l, self.index_l, self.parts_l, self.sketch_l,
+                                  self.scalars_l, self.icfg, self.fcfg, self.seeds, self.pool_modes,
+                                  K.MODE_TRAIN if train else K.MODE_FIND, out_rows, inverse, uniq_rows, uniq_keys,
+                                  nuniq, out, failed)
         if failed.any():
             self.stores[int(np.argmax(failed))]._raise_full()
         return out, _GroupPass(self, inverse, seg_lo, feat_base, features.offsets, bsz, uniq_rows, uniq_keys, nuniq)
@@ -117,9 +128,11 @@ class _GroupPass:
         g._lists()
         ugrad = np.empty((self.inverse.shape[0], grad.shape[2]), np.float32)
         dropped = np.zeros(len(g.stores), np.int64)
-        ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz, g.rows_l,
-                                g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys, self.nuniq,
-                                ugrad, g.icfg, g.fcfg, g.opt_codes, g.opt_params, g.pool_modes, dropped)
+        with _locked(g.stores):
+            ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz,
+                                    g.rows_l, g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys,
+                                    self.nuniq, ugrad, g.icfg, g.fcfg, g.opt_codes, g.opt_params, g.pool_modes,
+                                    dropped)
         if not ok:
             raise ValueError("embedding gradient contains NaN or inf; the update was refused and no row changed")
 
