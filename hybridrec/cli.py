@@ -32,6 +32,9 @@ def cmd_train(args) -> int:
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     keys = [k for k in result if k != "best_auc" and k.endswith(("auc", "logloss", "ne"))]
     print("final test " + ", ".join(f"{k}={_fmt(result[k])}" for k in keys))
+    if result.get("count") == 0:
+        print("hybridrec train: warning: the test set is empty, so the metrics are nan; check data.test_path, "
+              "data.train_rows (it may cover every row) or data.test_fraction", file=sys.stderr)
     if result.get("best_auc") is not None:
         print(f"planted model's test AUC (the best achievable): {result['best_auc']:.5f}")
     print(f"steps={result['step']} samples={result['samples']} "

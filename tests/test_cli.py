@@ -97,3 +97,12 @@ def test_data_synth_writes_criteo_rows_equal_to_the_generator(tmp_path, capsys):
     assert read.sparse.names == [f"C{i}" for i in range(1, 27)]
     np.testing.assert_array_equal(read.labels, made.labels)
     np.testing.assert_array_equal(read.sparse.values, made.sparse.values)
+
+
+def test_an_empty_test_set_is_pointed_out(tmp_path, capsys):
+    job = small_job(tmp_path)
+    csv = tmp_path / "d.tsv"
+    assert main(["data", "synth", "--out", str(csv), "--rows", "600"]) == 0
+    assert main(["train", job, "--set", "data.format=criteo", "--set", f"data.path={csv}",
+                 "--set", "data.train_rows=1000"]) == 0
+    assert "the test set is empty" in capsys.readouterr().err
