@@ -132,3 +132,15 @@ def test_route_is_uniform_and_stable():
     assert not np.array_equal(shards, route(keys, 4, 4)), "tables are shuffled independently"
     with pytest.raises(TypeError, match="uint64"):
         route(keys.astype(np.int64), 0, 4)
+
+
+def test_read_only_lookups_do_not_change_what_training_admits():
+    rng = np.random.default_rng(5)
+    plain = EmbeddingStore(dim=2, capacity=10_000, admit_probability=0.5)
+    probed = EmbeddingStore(dim=2, capacity=10_000, admit_probability=0.5)
+    for _ in range(10):
+        keys = rng.integers(0, 3000, size=200).astype(np.uint64)
+        plain.pull(keys)
+        probed.pull(keys)
+        probed.pull(rng.integers(0, 3000, size=50).astype(np.uint64), insert=False)  # an evaluation
+    np.testing.assert_array_equal(np.sort(plain.keys()), np.sort(probed.keys()))

@@ -201,7 +201,10 @@ def _init_row(rows, r, key, seed, icfg, fcfg):
 # ---------------------------------------------------------------- admission and eviction
 
 @njit(inline="always")
-def _admit(key, seed, epoch, icfg, fcfg, sketch):
+def _admit(key, seed, draw, icfg, fcfg, sketch):
+    """Whether a key not in the store gets a row now. The probability roll is keyed by (seed,
+    key, draw), where draw counts this partition's admission decisions: training lookups alone
+    advance it, so evaluating or pulling read-only never changes what training admits."""
     min_freq = icfg[IC_MIN_FREQ]
     if min_freq > 1:
         width = sketch.shape[1]
@@ -219,7 +222,7 @@ def _admit(key, seed, epoch, icfg, fcfg, sketch):
             return False
     prob = fcfg[FC_ADMIT_PROB]
     if prob < 1.0:
-        u = uniform01(mix64(key ^ mix64(seed ^ ADMIT_SALT ^ np.uint64(epoch))))
+        u = uniform01(mix64(key ^ mix64(seed ^ ADMIT_SALT ^ np.uint64(draw))))
         if u >= prob:
             return False
     return True
@@ -283,7 +286,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         slot = _probe(index, r64, kcol, key, s0, ns, h)
         r = index[slot]
         if r < 0:
-            if mode == MODE_FIND or (mode == MODE_TRAIN and not _admit(key, seed, epoch, icfg, fcfg, sketch)):
+            if mode == MODE_FIND or (mode == MODE_TRAIN and not _admit(
+                    key, seed, parts[p, PT_INSERTED] + parts[p, PT_REJECTED], icfg, fcfg, sketch)):
                 if mode == MODE_TRAIN:
                     parts[p, PT_REJECTED] += 1
                 out_rows[i] = -1
