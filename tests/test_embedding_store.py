@@ -123,6 +123,13 @@ def test_two_threads_give_the_same_values_as_one():
     np.testing.assert_array_equal(one.pull(probe, insert=False), two.pull(probe, insert=False))
 
 
+@pytest.mark.parametrize("table_id", [0, 3, 2375276105, 2**40 + 1])
+def test_route_is_uniform_for_any_table_id(table_id):
+    keys = np.arange(100_000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    counts = np.bincount(route(keys, table_id, 4), minlength=4)
+    assert counts.min() > 0.95 * 25_000, counts
+
+
 def test_route_is_uniform_and_stable():
     keys = np.arange(100_000, dtype=np.uint64)
     shards = route(keys, table_id=3, num_shards=4)

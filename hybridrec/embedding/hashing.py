@@ -71,5 +71,5 @@ def route(keys, table_id, num_shards):
         raise ValueError(f"route: num_shards must be in [1, 2**31), got {num_shards}")
     salt = mix64(np.uint64((int(ROUTE_SALT) + int(table_id) * int(U64_GOLDEN)) % 2**64))
     out = np.empty(keys.shape[0], dtype=np.int64)
-    _route_kernel(keys, salt, int(num_shards), out)
+    _route_kernel(keys, np.uint64(salt), int(num_shards), out)  # a Python int would type as int64
     return out
