@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-hybridrec train configs/quickstart.yaml "$@"
+hybridrec train configs/quickstart.yaml --overwrite "$@"
