@@ -5,6 +5,8 @@ inside a store, (c) a PS shard (the one global `route` of (table, key) -> shard)
 counter-based random numbers that initialise a row deterministically from (seed, key).
 Each use mixes with its own salt so that the bits used by one never correlate with another's.
 """
+import zlib
+
 import numpy as np
 from numba import njit
 
@@ -56,6 +58,12 @@ def uniform01(x):
 def _route_kernel(keys, salt, num_shards, out):
     for i in range(keys.shape[0]):
         out[i] = scale_hi32(mix64(keys[i] ^ salt), num_shards)
+
+
+def table_route_id(table: str) -> int:
+    """The `table_id` that `route` gets for a table name: stable across processes and runs
+    (PS client, re-sharding of PS checkpoints, model-parallel shards all use this one)."""
+    return zlib.crc32(table.encode("utf-8"))
 
 
 def route(keys, table_id, num_shards):

@@ -12,7 +12,6 @@ Not thread-safe: use one PSClient per thread.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +22,7 @@ from numba import njit
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, request_all
 from hybridrec.embedding import route
+from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.hashing import mix64
 
 _EMPTY = np.int64(-1)
@@ -89,11 +89,6 @@ def _sum_by_unique(grads, inverse, summed):
         u = inverse[i]
         for j in range(grads.shape[1]):
             summed[u, j] += grads[i, j]
-
-
-def table_route_id(table: str) -> int:
-    """The `table_id` that `route` gets for a table name: stable across processes and runs."""
-    return zlib.crc32(table.encode("utf-8"))
 
 
 def shard_directory(directory: str | Path, shard: int, num_shards: int) -> Path:
