@@ -22,7 +22,8 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
     """Probe every table's segment, then pool it into out[:, t, :]. failed[t] = 1 for a table
     that ran out of evictable rows."""
     empty = np.empty(0, np.int64)
-    for t in prange(seg_lo.shape[0]):
+    for tp in prange(seg_lo.shape[0]):
+        t = np.int64(tp)  # typed lists want a signed index
         lo = seg_lo[t]
         hi = seg_hi[t]
         scalars = scalars_l[t]
@@ -50,16 +51,28 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
     """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
     Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
     ntab = seg_lo.shape[0]
+    for t in range(ntab):
+        ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]] = 0.0
+    # sample-major, so the [B, T, dim] gradient streams through once in memory order (a
+    # table-at-a-time pass would read it with a 1.6 KB stride that hardware prefetch cannot follow)
+    for b in range(batch_size):
+        for t in range(ntab):
+            base = feat_base[t] + b
+            start = sample_offsets[base]
+            end = sample_offsets[base + 1]
+            scale = K._pool_scale(end - start, pool_modes[t])
+            for i in range(start, end):
+                u = inverse[i]
+                if u >= 0:
+                    for d in range(ugrad.shape[1]):
+                        ugrad[u, d] += scale * grad[b, t, d]
     finite = np.ones(ntab, np.bool_)
-    for t in prange(ntab):
-        lo = seg_lo[t]
-        ugrad[lo:lo + nuniq[t]] = 0.0
-        base = feat_base[t]
-        K.scatter_pooled_grad(grad, t, inverse, sample_offsets[base:base + batch_size + 1], pool_modes[t], ugrad)
-        finite[t] = K.all_finite(ugrad[lo:lo + nuniq[t]])  # a NaN/inf gradient reaches its row's sum
+    for t in prange(ntab):  # a NaN/inf gradient reaches the sum of its row
+        finite[t] = K.all_finite(ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]])
     if not finite.all():
         return False
-    for t in prange(ntab):
+    for tp in prange(ntab):
+        t = np.int64(tp)
         lo = seg_lo[t]
         n = nuniq[t]
         scalars = scalars_l[t]
