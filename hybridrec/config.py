@@ -174,6 +174,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     output_dir: str = "runs/default"
     threads: int = Field(1, ge=1, le=256)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="dense part's device; auto = cuda when available")
     deterministic: bool = True
     progress: bool = True
     tensorboard: bool = False

@@ -251,3 +251,16 @@ def test_the_criteo_sample_configs_beat_auc_0_70_on_the_held_out_rows(tmp_path, 
     result = train(cfg)
     assert result["count"] == 1_999  # rows 8,000.. of the 9,999 are the test set
     assert result["auc"] >= 0.70, result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_it_is_a_clear_error(tmp_path):
+    cfg = config(tmp_path, **{"train.device": "cuda"})
+    with pytest.raises(ValueError, match="train.device: 'cuda' was asked for"):
+        train(cfg)
+
+
+def test_auto_device_trains_on_the_cpu_here_and_results_come_back_as_numbers(tmp_path):
+    cfg = config(tmp_path, **{"train.device": "auto"})
+    result = train(cfg)
+    assert 0.5 < result["auc"] <= 1.0

@@ -99,7 +99,7 @@ def load_training(path, model, optimizer=None, cfg=None) -> dict:
         if changed:
             raise ConfigError(f"resume: {path} was trained with other settings; resuming would not continue "
                               f"that run. Differences: " + "; ".join(changed))
-    state = torch.load(path / "dense.pt", weights_only=True)
+    state = torch.load(path / "dense.pt", weights_only=True, map_location="cpu")
     model.dense_model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

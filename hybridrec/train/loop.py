@@ -20,7 +20,7 @@ from hybridrec.data import PrefetchLoader
 from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, load_training, save_training
 from hybridrec.train.data import build_sources
 from hybridrec.train.metrics import MetricAccumulator
-from hybridrec.train.recmodel import RecModel
+from hybridrec.train.recmodel import RecModel, resolve_device
 from hybridrec.train.reporting import Reporter
 
 
@@ -58,7 +58,7 @@ def evaluate(model: RecModel, source, label_names) -> dict:
     model.eval()
     acc = MetricAccumulator(len(label_names), label_names if len(label_names) > 1 else None)
     for batch in source:
-        acc.update(torch.sigmoid(model(batch)).numpy(), batch.labels)
+        acc.update(torch.sigmoid(model(batch)).cpu().numpy(), batch.labels)
     model.train(was_training)
     return acc.compute()
 
@@ -102,6 +102,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     out_dir = Path(cfg.train.output_dir)
     sources = build_sources(cfg.data, cfg.seed)
     model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
+    model.dense_model.to(resolve_device(cfg.train.device))
     optimizer = dense_optimizer(cfg, model.dense_model.parameters())
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
     checkpoint = _open_checkpoint(out_dir, resume, overwrite)
@@ -126,7 +127,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                         tick = time.perf_counter()
                         continue
                     logits = model(batch)
-                    loss = loss_fn(logits, _labels(batch))
+                    loss = loss_fn(logits, _labels(batch).to(logits.device))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()  # also applies the embedding optimizers
                     optimizer.step()
@@ -135,7 +136,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     progress.update(step=progress["step"] + 1, epoch=epoch, batch_in_epoch=index + 1,
                                     samples=progress["samples"] + batch.batch_size)
                     step = progress["step"]
-                    reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).numpy(), batch.labels,
+                    reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(), batch.labels,
                                         batch.batch_size)
                     if on_step is not None:
                         on_step(step, model)
@@ -168,6 +169,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint) -> dict:
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
+    model.dense_model.to(resolve_device(cfg.train.device))
     path = Path(checkpoint)
     if not (path / "progress.json").is_file():
         found = latest_checkpoint(path)

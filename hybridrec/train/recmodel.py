@@ -39,6 +39,14 @@ def _optimizer(default, section) -> dict:
             "name": default.name}
 
 
+def resolve_device(name: str) -> torch.device:
+    """'auto' = CUDA when available, else CPU; asking for CUDA without it is an error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' was asked for but torch.cuda.is_available() is False; "
+                         "use 'auto' or 'cpu'")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def embedding_tables(cfg: JobConfig, sparse_names: list[str], dim: int, wide: bool):
     """(tables, feature_to_table) for the deep (wide=False) or first-order (wide=True) side."""
     emb = cfg.embedding
@@ -87,12 +95,19 @@ class RecModel(torch.nn.Module):
             tables, mapping = embedding_tables(cfg, sparse_names, 1, wide=True)
             self.wide = EmbeddingCollection(tables, mapping, shm_prefix=shm_prefix and shm_prefix + "-wide")
 
+    @property
+    def device(self) -> torch.device:
+        """Where the dense part runs; embeddings stay in host memory and move per batch."""
+        return next(self.dense_model.parameters(), torch.empty(0)).device
+
     def collections(self) -> dict:
         return {name: c for name, c in (("deep", self.deep), ("wide", self.wide)) if c is not None}
 
     def forward(self, batch) -> torch.Tensor:
         feats = batch.sparse
-        deep = self.deep.forward_stacked(feats, self.sparse_names) if self.deep is not None else None
-        wide = self.wide.forward_stacked(feats, self.sparse_names).squeeze(-1) if self.wide is not None else None
-        dense = torch.from_numpy(batch.dense) if batch.dense.shape[1] else None
+        device = self.device
+        deep = self.deep.forward_stacked(feats, self.sparse_names).to(device) if self.deep is not None else None
+        wide = (self.wide.forward_stacked(feats, self.sparse_names).squeeze(-1).to(device)
+                if self.wide is not None else None)
+        dense = torch.from_numpy(batch.dense).to(device) if batch.dense.shape[1] else None
         return self.dense_model(deep, wide, dense)
