@@ -41,34 +41,35 @@ def _run(optimizer, reference_step, weight_decay=0.0, **store_kw):
     return store
 
 
-def test_adagrad_matches_torch_adagrad():
-    param = None
+def _torch_optimizer_reference(make_optimizer, sparse=False):
+    """A reference step that runs a torch.optim optimizer on a dense parameter holding every
+    row; with `sparse`, the gradient is handed over as a sparse tensor of the present rows."""
+    state = {}
 
-    def ref(w, g, present, state, step):
-        nonlocal param
-        if param is None:
-            param = torch.nn.Parameter(w.clone())
-            state["opt"] = torch.optim.Adagrad([param], lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)
-        param.grad = g
+    def ref(w, g, present, _state, step):
+        if "param" not in state:
+            state["param"] = torch.nn.Parameter(w.clone())
+            state["opt"] = make_optimizer([state["param"]])
+        param = state["param"]
+        if sparse:
+            rows = torch.nonzero(present).flatten()
+            param.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], w.shape, check_invariants=True)
+        else:
+            param.grad = g
         state["opt"].step()
         w.copy_(param.detach())
 
+    return ref
+
+
+def test_adagrad_matches_torch_adagrad():
+    ref = _torch_optimizer_reference(
+        lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1))
     _run({"name": "adagrad", "lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}, ref)
 
 
 def test_sgd_matches_torch_sgd():
-    param = None
-
-    def ref(w, g, present, state, step):
-        nonlocal param
-        if param is None:
-            param = torch.nn.Parameter(w.clone())
-            state["opt"] = torch.optim.SGD([param], lr=0.05)
-        param.grad = g
-        state["opt"].step()
-        w.copy_(param.detach())
-
-    _run({"name": "sgd", "lr": 0.05}, ref)
+    _run({"name": "sgd", "lr": 0.05}, _torch_optimizer_reference(lambda p: torch.optim.SGD(p, lr=0.05)))
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -86,19 +87,8 @@ def test_sgd_momentum_matches_lazy_torch_reference(nesterov):
 
 
 def test_adam_matches_torch_sparse_adam():
-    param = None
-
-    def ref(w, g, present, state, step):
-        nonlocal param
-        if param is None:
-            param = torch.nn.Parameter(w.clone())
-            state["opt"] = torch.optim.SparseAdam([param], lr=0.01)
-        rows = torch.nonzero(present).flatten()
-        param.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g[rows], w.shape, check_invariants=True)
-        state["opt"].step()
-        w.copy_(param.detach())
-
-    _run({"name": "adam", "lr": 0.01}, ref)
+    _run({"name": "adam", "lr": 0.01},
+         _torch_optimizer_reference(lambda p: torch.optim.SparseAdam(p, lr=0.01), sparse=True))
 
 
 def test_ftrl_matches_reference_formula():

@@ -462,16 +462,6 @@ def scatter_rows_grad(grad, inverse, ugrad):
 
 
 @njit(cache=True, nogil=True)
-def all_finite_3d(x):
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            for k in range(x.shape[2]):
-                if not np.isfinite(x[i, j, k]):
-                    return False
-    return True
-
-
-@njit(cache=True, nogil=True)
 def all_finite(x):
     for i in range(x.shape[0]):
         for j in range(x.shape[1]):
