@@ -71,7 +71,7 @@ def cmd_bench(args) -> int:
 def cmd_serve_ps(args) -> int:
     from hybridrec.ps.server import main as serve_main
 
-    return serve_main(args.rest) or 0
+    return serve_main(args.rest, prog="hybridrec serve-ps") or 0
 
 
 def build_parser() -> argparse.ArgumentParser:

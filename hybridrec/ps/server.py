@@ -259,8 +259,8 @@ def _parse_table(text: str) -> tuple[str, dict[str, Any]]:
     return parts[0], {"dim": int(parts[1]), "capacity": int(parts[2])}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridrec.ps.server", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.server") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     parser.add_argument("--table", action="append", type=_parse_table, default=[],
