@@ -1,1 +1,2 @@
-"""hybridrec.train"""
+"""hybridrec.train: the one training loop, its data sources, model assembly, checkpoints,
+metrics and reporting."""
