@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridrec.mixing import mix64_array
+
 from hybridrec.benchmarks.timing import TimingPlan, positive_int, timing_plan_from_args
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MIX_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
 
 
 def mix64(values: np.ndarray, salt: int | np.ndarray) -> np.ndarray:
@@ -31,10 +31,10 @@ def mix64(values: np.ndarray, salt: int | np.ndarray) -> np.ndarray:
         raise ValueError(f"salt must be in [0, 2**64), got {salt}")
     salts = np.asarray(salt, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping mod 2**64 is the point
-        mixed = np.asarray(values, dtype=np.uint64) + salts * _GOLDEN_GAMMA
-        mixed = (mixed ^ (mixed >> np.uint64(30))) * _MIX_MULTIPLIER_1
-        mixed = (mixed ^ (mixed >> np.uint64(27))) * _MIX_MULTIPLIER_2
-        return mixed ^ (mixed >> np.uint64(31))
+        offset = np.ascontiguousarray(np.asarray(values, dtype=np.uint64) + salts * _GOLDEN_GAMMA)
+    mixed = np.empty_like(offset)
+    mix64_array(offset.reshape(-1), mixed.reshape(-1))
+    return mixed
 
 
 @dataclass(frozen=True)

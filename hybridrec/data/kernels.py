@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from hybridrec.mixing import mix64
+
 # Column kinds understood by `parse_delimited_lines`.
 KIND_SKIP = 0
 KIND_LABEL = 1
@@ -38,8 +40,6 @@ ERROR_REASONS = {
 # Field indices must fit below the hex value and length bits of the injective key layout.
 MAX_FIELDS = 1 << 24
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 _FNV_PRIME = np.uint64(0x100000001B3)
 _FNV_FIELD_SEED = np.uint64(0xCBF29CE484222325)
 _NEWLINE = 10
@@ -51,15 +51,6 @@ _HEX_DIGIT[97:103] = np.arange(10, 16)
 # log(1 + x) of the small counts that make up most of Criteo's dense values
 _LOG1P_TABLE_SIZE = 4096
 _LOG1P_SMALL = np.log1p(np.arange(_LOG1P_TABLE_SIZE, dtype=np.float64))
-
-
-@njit(cache=True, nogil=True)
-def mix64(x):
-    """splitmix64's finaliser: a bijection of uint64 that spreads nearby inputs apart."""
-    x = np.uint64(x)
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
 
 
 @njit(cache=True, nogil=True)

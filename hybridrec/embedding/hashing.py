@@ -10,12 +10,9 @@ import zlib
 import numpy as np
 from numba import njit
 
+from hybridrec.mixing import mix64  # noqa: F401  (re-exported: the kernels import it from here)
+
 U64_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 
 INDEX_SALT = np.uint64(0x243F6A8885A308D3)
 ROUTE_SALT = np.uint64(0x13198A2E03707344)
@@ -26,14 +23,6 @@ _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _S11 = np.uint64(11)
 _INV53 = 1.0 / 9007199254740992.0
-
-
-@njit(inline="always")
-def mix64(x):
-    """splitmix64 finaliser: a bijection on uint64 with full avalanche."""
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
 
 
 @njit(inline="always")
