@@ -19,6 +19,7 @@ ValueError naming file, line, column and value at the first one.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import os
@@ -208,8 +209,9 @@ class BadRows:
         self.count += found
 
 
-class _ShardedReader:
-    """What the text and Parquet readers share: arguments, sharding, rebatching."""
+class _ShardedReader(abc.ABC):
+    """What the text and Parquet readers share: arguments, sharding, rebatching. A reader
+    subclass says how its file format turns into blocks of rows (`_blocks`)."""
 
     def __init__(self, paths, schema: TabularSchema, batch_size: int, *, rank: int = 0,
                  world_size: int = 1, block_rows: int | None = None, strict: bool = False,
@@ -235,8 +237,9 @@ class _ShardedReader:
         self.bad_rows = BadRows(max_examples=self.max_reported_bad_rows)
         return rebatch(self._blocks(), self.batch_size, self.drop_last)
 
+    @abc.abstractmethod
     def _blocks(self) -> Iterator[Batch]:
-        raise NotImplementedError
+        """This rank's rows as Batches of any size (rebatched by `__iter__`)."""
 
 
 class DelimitedTextReader(_ShardedReader):
