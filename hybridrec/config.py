@@ -181,7 +181,22 @@ class TrainConfig(_Section):
 
 
 class StrategyConfig(_Section):
-    name: Literal["local"] = "local"
+    """Where embeddings live and how updates are synchronised.
+
+    `local`: one process, embedded in-process stores (`hybridrec train`). `persia`: embedding
+    PS servers + embedding workers + NN workers under torchrun (`hybridrec launch`), with one
+    of Persia's three update disciplines."""
+
+    name: Literal["local", "persia"] = "local"
+    discipline: Literal["sync", "hybrid", "async"] = Field(
+        "hybrid", description="sync: staleness 0; hybrid: embeddings <= tau batches stale, dense AllReduce; "
+                              "async: embeddings as hybrid, dense parameters on the PS")
+    tau: int = Field(4, ge=0, le=1024, description="hybrid/async: batches in flight between lookup and update")
+    id_codec: Literal["none", "unique"] = Field("unique", description="ID features from NN worker to embedding worker")
+    value_codec: Literal["none", "fp16"] = Field("none", description="rows and gradients on the wire")
+    request_timeout: float = Field(30.0, gt=0, description="seconds per request attempt")
+    retries: int = Field(3, ge=0, le=100, description="retries of idempotent requests after a timeout")
+    max_buffered_batches: int = Field(256, ge=1, description="batches an embedding worker buffers; older ones are dropped and counted")
 
 
 class JobConfig(_Section):

@@ -80,6 +80,16 @@ def _schema(cfg: DataConfig) -> TabularSchema:
     return TabularSchema.from_dict(dict(cfg.schema_))
 
 
+def data_layout(cfg: DataConfig) -> tuple[list[str], int, list[str]]:
+    """(sparse feature names, number of dense features, label names) from the config alone,
+    without reading any data: what the roles of a distributed job agree on before they start."""
+    if cfg.format == "synthetic":
+        syn = _synthetic_config(cfg)
+        return list(syn.sparse_names), syn.n_dense, ["label"]
+    schema = _schema(cfg)
+    return list(schema.sparse_feature_names), len(schema.dense), list(schema.labels)
+
+
 def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1,
                   with_best_auc: bool = True) -> DataSources:
     """Train and test sources for this rank (test is read whole by every rank)."""

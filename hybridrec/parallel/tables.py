@@ -1,0 +1,46 @@
+"""The embedding tables of a job, derived from its config alone (no data is read).
+
+Every role of a distributed job computes this independently and must get the same answer:
+PS servers host the tables, embedding workers map features to tables and pool, NN workers
+size the dense model. The derivation is the one the local trainer uses (`RecModel`), so a
+config trains the same model locally and distributed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrec.config import JobConfig
+from hybridrec.embedding import TableConfig
+from hybridrec.models import model_class
+from hybridrec.train.data import data_layout
+from hybridrec.train.recmodel import embedding_tables
+
+
+@dataclass(frozen=True)
+class JobTables:
+    """Tables and feature -> table maps of the deep (dim = embedding_dim) and wide (dim 1) sides."""
+
+    sparse_names: list[str]
+    num_dense: int
+    label_names: list[str]
+    deep: dict[str, TableConfig]
+    deep_map: dict[str, str]
+    wide: dict[str, TableConfig]
+    wide_map: dict[str, str]
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.label_names)
+
+    def all_tables(self) -> dict[str, TableConfig]:
+        """Every table the PS servers host (wide tables are named '<table>:wide')."""
+        return {**self.deep, **self.wide}
+
+
+def job_tables(cfg: JobConfig) -> JobTables:
+    sparse_names, num_dense, label_names = data_layout(cfg.data)
+    cls = model_class(cfg.model.name)
+    deep, deep_map = (embedding_tables(cfg, sparse_names, cfg.model.embedding_dim, wide=False)
+                      if cls.needs_deep else ({}, {}))
+    wide, wide_map = embedding_tables(cfg, sparse_names, 1, wide=True) if cls.needs_wide else ({}, {})
+    return JobTables(sparse_names, num_dense, label_names, deep, deep_map, wide, wide_map)
