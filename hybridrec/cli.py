@@ -1,4 +1,4 @@
-"""The `hybridrec` command: train, eval, data synth, bench, serve-ps.
+"""The `hybridrec` command: train, eval, data synth, bench, serve-ps, embedding-worker, launch.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (bad config, missing file) are printed as one clear message with exit code 2.
@@ -74,6 +74,24 @@ def cmd_serve_ps(args) -> int:
     return serve_main(args.rest, prog="hybridrec serve-ps") or 0
 
 
+def cmd_embedding_worker(args) -> int:
+    from hybridrec.ps.embedding_worker import main as worker_main
+
+    return worker_main(args.rest, prog="hybridrec embedding-worker") or 0
+
+
+def cmd_launch(args) -> int:
+    from hybridrec.parallel.launch import launch
+
+    try:
+        return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, nn_workers=args.nn_workers,
+                      overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
+                      max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)
+    except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
+        print(f"hybridrec launch: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrec", description="Train CTR models whose embeddings outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,13 +134,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-ps", help="run an embedding parameter-server process", add_help=False,
                        description="Run an embedding PS server (options: hybridrec serve-ps --help).")
     p.set_defaults(func=cmd_serve_ps, rest=[])
+
+    # likewise, every option after embedding-worker belongs to the worker's own parser
+    p = sub.add_parser("embedding-worker", help="run a Persia embedding-worker process", add_help=False,
+                       description="Run an embedding worker (options: hybridrec embedding-worker --help).")
+    p.set_defaults(func=cmd_embedding_worker, rest=[])
+
+    p = sub.add_parser("launch", help="run every role of a distributed (persia) job on this machine",
+                       description="Start N PS servers, E embedding workers and K NN workers (under torchrun) "
+                       "for a config with strategy.name: persia; restart PS servers and embedding workers that "
+                       "die; stop everything and delete the job's shared memory when the job ends. Exit code: "
+                       "0 done, 1 a role failed, 2 bad arguments, 124 --timeout, 130 interrupted.")
+    p.add_argument("config", help="YAML job file with strategy.name: persia")
+    p.add_argument("--ps", type=int, required=True, metavar="N", help="embedding PS servers")
+    p.add_argument("--embedding-workers", type=int, required=True, metavar="E", help="embedding workers")
+    p.add_argument("--nn-workers", type=int, required=True, metavar="K", help="NN worker processes (torchrun)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value in every role, e.g. --set train.max_steps=100 (repeatable)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="NN workers continue from the latest checkpoint")
+    again.add_argument("--overwrite", action="store_true", help="start over in a train.output_dir holding a run")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R", help="torchrun's restarts of the NN workers")
+    p.add_argument("--role-restarts", type=int, default=3, metavar="M",
+                   help="restarts of each PS server and embedding worker before the job fails (default 3)")
+    p.add_argument("--host", default="127.0.0.1", help="interface the PS servers and embedding workers bind")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the whole job after this long (exit code 124); default: no limit")
+    p.set_defaults(func=cmd_launch)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "serve-ps":
+    if args.command in ("serve-ps", "embedding-worker"):
         args.rest = extra  # argparse's REMAINDER does not take leading options such as --port
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

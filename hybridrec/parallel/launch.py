@@ -1,0 +1,170 @@
+"""`hybridrec launch`: every role of a Persia-style job on this machine, under one supervisor.
+
+N PS servers (each with its tables in named shared memory, so a restarted server reattaches),
+E embedding workers, then K NN workers under torchrun once every server and embedding worker
+reported ready. PS servers and embedding workers are restarted on the same port when they die
+(`role_restarts` times each); torchrun restarts its own workers (`max_restarts`). When the job
+ends, for whatever reason, every process is stopped and the job's shared memory is deleted.
+
+Python API: `launch(config, ps=N, embedding_workers=E, nn_workers=K, ...)` returns the exit code;
+`build_roles(...)` gives the `Role`s without running them.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Sequence, TextIO
+
+from hybridrec.config import ConfigError, JobConfig, load_config
+from hybridrec.parallel.supervisor import Role, Supervisor
+
+PS_READY = "hybridrec-ps listening on "
+EMBEDDING_WORKER_READY = "hybridrec-embedding-worker listening on "
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago (all bound at once, then released)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def new_job_id() -> str:
+    """Short and unique per launch; names the job's shared memory."""
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def ps_shm_name(job: str, index: int) -> str:
+    return f"hybridrec-{job}-ps{index}"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What `build_roles` decided: the roles, the addresses and the shared-memory prefixes."""
+
+    job: str
+    roles: list[Role]
+    ps_addresses: list[str]
+    embedding_worker_addresses: list[str]
+    shm_names: list[str]
+
+
+def check_arguments(*, ps: int, embedding_workers: int, nn_workers: int, max_restarts: int = 0,
+                    role_restarts: int = 3, resume: bool = False, overwrite: bool = False,
+                    timeout: float | None = None) -> None:
+    """ValueError naming the flag when a count or option of `hybridrec launch` is out of range."""
+    for flag, value in (("--ps", ps), ("--embedding-workers", embedding_workers), ("--nn-workers", nn_workers)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--max-restarts", max_restarts), ("--role-restarts", role_restarts)):
+        if value < 0:
+            raise ValueError(f"{flag} must be 0 or more, got {value}")
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {timeout:g}")
+
+
+def check_config(config: str, overrides: Sequence[str] = ()) -> JobConfig:
+    """Load the job config and make sure it describes a distributed (persia) job."""
+    cfg = load_config(config, list(overrides))
+    if cfg.strategy.name != "persia":
+        raise ConfigError(
+            f"{config}: strategy.name is {cfg.strategy.name!r}; `hybridrec launch` runs Persia-style jobs "
+            f"(PS servers + embedding workers + NN workers). Add `--set strategy.name=persia`, set "
+            f"`strategy: {{name: persia}}` in the config, or run `hybridrec train {config}` for one process")
+    return cfg
+
+
+def build_roles(config: str, *, ps: int, embedding_workers: int, nn_workers: int,
+                overrides: Sequence[str] = (), host: str = "127.0.0.1", job: str | None = None,
+                resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
+                role_restarts: int = 3, startup_timeout: float = 180.0,
+                python: str = sys.executable) -> JobPlan:
+    """The roles of one job, with ports picked now so a restarted role keeps its address."""
+    check_arguments(ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers, max_restarts=max_restarts,
+                    role_restarts=role_restarts, resume=resume, overwrite=overwrite)
+    job = job or new_job_id()
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # what clients dial
+    ps_ports, ew_ports, (rdzv_port,) = (free_ports(ps, host), free_ports(embedding_workers, host),
+                                       free_ports(1, "127.0.0.1"))
+    ps_addresses = [f"tcp://{connect_host}:{p}" for p in ps_ports]
+    ew_addresses = [f"tcp://{connect_host}:{p}" for p in ew_ports]
+    shm_names = [ps_shm_name(job, i) for i in range(ps)]
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    roles = [Role(f"ps{i}", [python, "-m", "hybridrec.cli", "serve-ps", "--config", config, *sets,
+                             "--host", host, "--port", str(port), "--shm-name", shm_names[i]],
+                  ready_marker=PS_READY, restarts=role_restarts, startup_timeout=startup_timeout)
+             for i, port in enumerate(ps_ports)]
+    roles += [Role(f"ew{e}", [python, "-m", "hybridrec.cli", "embedding-worker", config, *sets, "--rank", str(e),
+                              "--ps", ",".join(ps_addresses), "--host", host, "--port", str(port)],
+                   ready_marker=EMBEDDING_WORKER_READY, restarts=role_restarts, startup_timeout=startup_timeout)
+              for e, port in enumerate(ew_ports)]
+    again = ["--resume"] if resume else ["--overwrite"] if overwrite else []
+    roles.append(Role("nn", [python, "-m", "torch.distributed.run", "--nnodes", "1",
+                             "--nproc-per-node", str(nn_workers), "--max-restarts", str(max_restarts),
+                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
+                             "-m", "hybridrec.parallel.nn_worker", config, *sets,
+                             "--ps", ",".join(ps_addresses), "--embedding-workers", ",".join(ew_addresses),
+                             *again], main=True))
+    return JobPlan(job, roles, ps_addresses, ew_addresses, shm_names)
+
+
+def remove_shared_memory(shm_names: Sequence[str], tables: Sequence[str]) -> list[str]:
+    """Delete each table of each PS prefix, then anything else left under those prefixes
+    (the prefixes hold a per-launch job id, so nothing else can match). Returns what was removed."""
+    from hybridrec.embedding.memory import shm_path, unlink_shared
+    from hybridrec.ps.server import table_shm_name
+
+    removed = []
+    for prefix in shm_names:
+        for table in tables:
+            try:
+                if unlink_shared(table_shm_name(prefix, table)):
+                    removed.append(table_shm_name(prefix, table))
+            except ValueError:  # a table name the shm naming does not accept: the sweep below finds it
+                pass
+        base = shm_path(prefix)
+        for leftover in sorted(base.parent.glob(f"{base.name}.*")) + ([base] if base.exists() else []):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover.name)
+    return removed
+
+
+def launch(config: str, *, ps: int, embedding_workers: int, nn_workers: int, overrides: Sequence[str] = (),
+           host: str = "127.0.0.1", resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
+           role_restarts: int = 3, timeout: float | None = None, grace: float = 10.0,
+           out: TextIO | None = None) -> int:
+    """Run a whole job here; the exit code: 0 done, 1 a role failed, 124 timeout, 130 interrupted.
+
+    Raises ConfigError / ValueError before anything starts when the arguments or config are wrong.
+    """
+    from hybridrec.parallel.tables import job_tables
+
+    check_arguments(ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers, max_restarts=max_restarts,
+                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout)
+    cfg = check_config(config, overrides)
+    tables = list(job_tables(cfg).all_tables())
+    plan = build_roles(config, ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers,
+                       overrides=overrides, host=host, resume=resume, overwrite=overwrite,
+                       max_restarts=max_restarts, role_restarts=role_restarts)
+    supervisor = Supervisor(plan.roles, out=out, grace=grace)
+    supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
+    supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
+                   f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
+                   f"{nn_workers} NN worker(s)")
+    code = supervisor.run(timeout)
+    if code != 0:
+        print(f"hybridrec launch: {supervisor.reason}", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,253 @@
+"""Tests of `hybridrec launch` and the supervisor under it, driven by small real Python processes
+as roles: unrecoverable deaths tear the job down, a SIGKILLed service comes back, every line is
+prefixed and none is lost, SIGINT / --timeout stop whole process trees, and the command refuses
+configs and counts it cannot run. (The end-to-end job with real PS / embedding / NN workers is
+tested where those programs live.)"""
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridrec.cli import main
+from hybridrec.parallel.launch import build_roles, ps_shm_name, remove_shared_memory
+from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT, Role, Supervisor
+
+PY = sys.executable
+# A service: starts a grandchild (so teardown must reach the whole tree), says where both are,
+# reports ready and sleeps; it stops by itself after 60 s whatever happens.
+SERVICE = textwrap.dedent("""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(f"svc pid {os.getpid()} child {child.pid}", flush=True)
+    print("svc listening on tcp://127.0.0.1:1", flush=True)
+    time.sleep(60)
+""")
+
+
+class Lines:
+    """A thread-safe text sink that keeps the lines written to it."""
+
+    def __init__(self):
+        self.text, self.lock = "", threading.Lock()
+
+    def write(self, s):
+        with self.lock:
+            self.text += s
+
+    def flush(self):
+        pass
+
+    def lines(self):
+        with self.lock:
+            return self.text.splitlines()
+
+    def wait_for(self, predicate, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.lines() if predicate(line)]
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"no such line within {timeout}s; output:\n" + "\n".join(self.lines()))
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2] != "Z"
+
+
+def service_pids(lines):
+    """(pid, grandchild pid) of every service start that printed its pids."""
+    return [(int(w[w.index("pid") + 1]), int(w[w.index("child") + 1]))
+            for w in (line.split() for line in lines) if "child" in w]
+
+
+def wait_gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_a_service_that_keeps_dying_fails_the_job_and_everything_else_is_stopped():
+    out = Lines()
+    roles = [Role("good", [PY, "-c", SERVICE], ready_marker=" listening on ", restarts=3),
+             Role("bad", [PY, "-c", "import sys; print('dying', flush=True); sys.exit(3)"],
+                  ready_marker=" listening on ", restarts=2),
+             Role("main", [PY, "-c", "import time; time.sleep(60)"], main=True)]
+    supervisor = Supervisor(roles, out=out, grace=5)
+    assert supervisor.run(timeout=60) == FAILED
+    assert "bad died (exit code 3) after 2 restart(s)" in supervisor.reason
+    lines = out.lines()
+    assert sum("bad exited (exit code 3); restarting it" in line for line in lines) == 2
+    assert sum(line == "[bad] dying" for line in lines) == 3
+    assert not any(line.startswith("[main]") for line in lines)  # never started: a service never got ready
+    pids = [p for pair in service_pids(lines) for p in pair]
+    assert len(pids) == 2 and wait_gone(pids) == []
+
+
+def test_a_service_killed_with_sigkill_comes_back_and_the_job_still_succeeds(tmp_path):
+    out, go = Lines(), tmp_path / "go"
+    main_role = (f"import os, sys, time\nfor _ in range(600):\n    if os.path.exists({str(go)!r}): sys.exit(0)\n"
+                 "    time.sleep(0.1)\nsys.exit(5)")
+    roles = [Role("svc", [PY, "-c", SERVICE], ready_marker=" listening on ", restarts=1),
+             Role("main", [PY, "-c", main_role], main=True)]
+    supervisor = Supervisor(roles, out=out, grace=5)
+    cleaned = []
+    supervisor.on_teardown.append(lambda: cleaned.append(True))
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("code", supervisor.run(timeout=90)))
+    runner.start()
+    try:
+        out.wait_for(lambda line: "starting main" in line)
+        (first, first_child), = service_pids(out.lines())
+        os.kill(first, signal.SIGKILL)
+        out.wait_for(lambda line: "svc exited (signal SIGKILL); restarting it (1 of 1)" in line)
+        out.wait_for(lambda line: len(service_pids(out.lines())) == 2)
+        assert wait_gone([first_child]) == []  # the dead service's tree went with it
+        go.touch()
+    finally:
+        runner.join(120)
+    assert result["code"] == OK, out.lines()
+    assert cleaned == [True]
+    assert wait_gone([p for pair in service_pids(out.lines()) for p in pair]) == []
+
+
+def test_every_line_carries_its_role_prefix_and_none_is_lost_at_exit():
+    out = Lines()
+    chatty = ("import sys\nfor i in range(2000):\n    print(f'line {i}')\n"
+              "print('to stderr', file=sys.stderr)\nsys.stdout.write('no newline at the end')")
+    roles = [Role("svc", [PY, "-c", "import time; print('a'); print('svc listening on x', flush=True); "
+                                    "time.sleep(60)"], ready_marker=" listening on "),
+             Role("nn", [PY, "-c", chatty], main=True)]
+    assert Supervisor(roles, out=out, grace=5, prefix="launch").run(timeout=60) == OK
+    lines = out.lines()
+    assert all(line.startswith(("[svc] ", "[nn] ", "[launch] ")) for line in lines), lines
+    nn = [line for line in lines if line.startswith("[nn] ")]
+    assert nn[:2000] == [f"[nn] line {i}" for i in range(2000)]
+    assert set(nn[2000:]) == {"[nn] to stderr", "[nn] no newline at the end"}
+    assert "[svc] a" in lines
+
+
+def test_a_main_role_that_fails_fails_the_job_naming_it():
+    roles = [Role("svc", [PY, "-c", "import time; time.sleep(60)"]),
+             Role("nn", [PY, "-c", "import sys; sys.exit(7)"], main=True)]
+    supervisor = Supervisor(roles, out=Lines(), grace=5)
+    assert supervisor.run(timeout=60) == FAILED
+    assert supervisor.reason == "nn failed (exit code 7)"
+
+
+def test_a_role_that_never_reports_ready_fails_the_job():
+    roles = [Role("svc", [PY, "-c", "import time; time.sleep(60)"], ready_marker="listening", startup_timeout=1),
+             Role("nn", [PY, "-c", "pass"], main=True)]
+    supervisor = Supervisor(roles, out=Lines(), grace=5)
+    assert supervisor.run(timeout=60) == FAILED
+    assert "svc did not report ready ('listening') within 1s" in supervisor.reason
+
+
+def test_timeout_stops_a_job_that_would_hang():
+    out = Lines()
+    roles = [Role("svc", [PY, "-c", SERVICE], ready_marker=" listening on "),
+             Role("nn", [PY, "-c", "import time; time.sleep(60)"], main=True)]
+    supervisor = Supervisor(roles, out=out, grace=5)
+    started = time.monotonic()
+    assert supervisor.run(timeout=3) == TIMED_OUT
+    assert time.monotonic() - started < 30
+    assert "timeout of 3s" in supervisor.reason
+    assert wait_gone([p for pair in service_pids(out.lines()) for p in pair]) == []
+
+
+def test_sigint_to_the_supervisor_process_stops_every_process_tree(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from hybridrec.parallel.supervisor import Role, Supervisor
+        SERVICE = {SERVICE!r}
+        roles = [Role("s0", [sys.executable, "-c", SERVICE], ready_marker=" listening on "),
+                 Role("s1", [sys.executable, "-c", SERVICE], ready_marker=" listening on "),
+                 Role("nn", [sys.executable, "-c", SERVICE], main=True)]
+        sys.exit(Supervisor(roles, grace=5).run(timeout=90))
+    """))
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    job = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(service_pids(lines)) < 3 and time.monotonic() < deadline:
+            if select.select([job.stdout], [], [], 1)[0]:
+                lines.append(job.stdout.readline())
+                if not lines[-1]:
+                    break  # the job ended early; the assertion below shows what it said
+        assert len(service_pids(lines)) == 3, lines
+        job.send_signal(signal.SIGINT)
+        rest, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+    assert job.returncode == INTERRUPTED
+    assert "stopped by SIGINT" in rest
+    assert wait_gone([p for pair in service_pids(lines) for p in pair]) == []
+
+
+def test_the_roles_follow_the_command_contract():
+    plan = build_roles("job.yaml", ps=2, embedding_workers=2, nn_workers=3, overrides=["train.max_steps=5"],
+                       job="j1", resume=True, max_restarts=2, role_restarts=4)
+    assert [r.name for r in plan.roles] == ["ps0", "ps1", "ew0", "ew1", "nn"]
+    assert plan.shm_names == ["hybridrec-j1-ps0", "hybridrec-j1-ps1"]
+    ports = [a.rsplit(":", 1)[1] for a in plan.ps_addresses + plan.embedding_worker_addresses]
+    assert len(set(ports)) == 4
+    ps1 = plan.roles[1]
+    assert ps1.argv[1:] == ["-m", "hybridrec.cli", "serve-ps", "--config", "job.yaml", "--set", "train.max_steps=5",
+                            "--host", "127.0.0.1", "--port", ports[1], "--shm-name", "hybridrec-j1-ps1"]
+    assert (ps1.restarts, ps1.main, ps1.ready_marker) == (4, False, "hybridrec-ps listening on ")
+    ew1 = plan.roles[3]
+    assert ew1.argv[1:] == ["-m", "hybridrec.cli", "embedding-worker", "job.yaml", "--set", "train.max_steps=5",
+                            "--rank", "1", "--ps", ",".join(plan.ps_addresses), "--host", "127.0.0.1",
+                            "--port", ports[3]]
+    nn = plan.roles[4]
+    assert nn.main and nn.argv[1:9] == ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
+                                        "--max-restarts", "2"]
+    assert nn.argv[-9:] == ["hybridrec.parallel.nn_worker", "job.yaml", "--set", "train.max_steps=5", "--ps",
+                            ",".join(plan.ps_addresses), "--embedding-workers",
+                            ",".join(plan.embedding_worker_addresses), "--resume"]
+
+
+def test_the_jobs_shared_memory_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path))
+    prefix = ps_shm_name("j2", 0)
+    for table in ("C1", "C2", "C1:wide"):
+        (tmp_path / f"hybridrec-{prefix}.{table}").mkdir()
+    (tmp_path / "hybridrec-other.C1").mkdir()
+    remove_shared_memory([prefix], ["C1", "C2", "C1:wide"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hybridrec-other.C1"]
+
+
+def test_launch_refuses_a_local_strategy_config_naming_strategy_name(tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  name: local\n")
+    assert main(["launch", str(config), "--ps", "1", "--embedding-workers", "1", "--nn-workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy.name is 'local'" in err and "--set strategy.name=persia" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ps", "0", "--embedding-workers", "1", "--nn-workers", "1"], "--ps must be at least 1, got 0"),
+    (["--ps", "1", "--embedding-workers", "1", "--nn-workers", "1", "--timeout", "-1"], "--timeout must be positive"),
+])
+def test_launch_refuses_bad_counts_before_starting_anything(tmp_path, capsys, flags, message):
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  name: persia\n")
+    assert main(["launch", str(config), *flags]) == 2
+    assert message in capsys.readouterr().err
