@@ -4,17 +4,23 @@ Keys are deduplicated, routed to shards with the project's one global hash
 `route(keys, table_id, num_shards)` (Persia's shuffled, uniform partition), sent to every
 shard at once (one socket per server: send all, then receive all) and the rows are put back
 in the caller's key order. Gradients of equal keys are summed before they leave. Rows and
-gradients travel with the job's value codec ("none" or "fp16"). Lookups, stats, checkpoint,
-load and ping are retried after a timeout; pushes are not (a retried push could apply twice).
+gradients travel with the job's value codec ("none" or "fp16"). `lookup_tables` and
+`push_tables` carry every table of a batch in one request per shard (`lookup`/`push` are the
+one-table case). Lookups, stats, checkpoint, load, ping and dense init/pull are retried after
+a timeout; pushes are not (a retried push could apply twice).
+
+Dense parameters (`dense_init`, `dense_pull`, `dense_push`) live on shard
+crc32(name) % num_shards; see `hybridrec.ps.dense`.
 
 Not thread-safe: use one PSClient per thread.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from numba import njit
@@ -24,6 +30,7 @@ from hybridrec.comm.transport import Client, Message, request_all
 from hybridrec.embedding import route
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.hashing import mix64
+from hybridrec.ps.dense import check_optimizer, check_tensors
 
 _EMPTY = np.int64(-1)
 
@@ -96,10 +103,31 @@ def shard_directory(directory: str | Path, shard: int, num_shards: int) -> Path:
     return Path(directory) / f"shard-{shard:04d}-of-{num_shards:04d}"
 
 
-def _check_keys(keys: np.ndarray) -> np.ndarray:
+def part_arrays(index: int, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The codec arrays of table `index` of a many-table message, named "<index>.<name>"."""
+    return {f"{index}.{name}": array for name, array in arrays.items()}
+
+
+def split_parts(arrays: Mapping[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
+    """Inverse of `part_arrays` for tables 0..count-1; a name of no such table is an error."""
+    parts: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
+    for name, array in arrays.items():
+        index, dot, rest = name.partition(".")
+        if not dot or not index.isdigit() or int(index) >= count or not rest:
+            raise ValueError(f"array {name!r} is not '<i>.<name>' with i < {count} (the number of tables)")
+        parts[int(index)][rest] = array
+    return parts
+
+
+def dense_shard(name: str, num_shards: int) -> int:
+    """The shard that holds dense parameter `name`."""
+    return zlib.crc32(name.encode()) % num_shards
+
+
+def _check_keys(keys: np.ndarray, what: str = "keys") -> np.ndarray:
     if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.ndim != 1:
         raise TypeError(
-            f"keys must be a 1-D numpy uint64 array, got "
+            f"{what} must be a 1-D numpy uint64 array, got "
             f"{type(keys).__name__} {getattr(keys, 'dtype', '')} {getattr(keys, 'shape', '')}"
         )
     return np.ascontiguousarray(keys)
@@ -181,52 +209,157 @@ class PSClient:
                 parts.append((s, first, picked[first:first + self.max_keys_per_request]))
         return parts
 
+    def _requests(self, fanouts: Sequence["_Fanout"]) -> list[tuple[int, list[tuple[int, int, np.ndarray]]]]:
+        """(shard, [(table index, first index in the shard's keys of it, unique-key indices)]) of
+        every request: all tables of a shard in one request, unless together they exceed
+        `max_keys_per_request` keys; then in several, a table larger than that split over some."""
+        by_shard: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(self.num_shards)]
+        for t, fanout in enumerate(fanouts):
+            for s, first, picked in self._parts(fanout):
+                by_shard[s].append((t, first, picked))
+        requests = []
+        for s, parts in enumerate(by_shard):
+            current: list[tuple[int, int, np.ndarray]] = []
+            size = 0
+            for part in parts:
+                if current and size + len(part[2]) > self.max_keys_per_request:
+                    requests.append((s, current))
+                    current, size = [], 0
+                current.append(part)
+                size += len(part[2])
+            if current:
+                requests.append((s, current))
+        return requests
+
+    def _route_tables(self, keys_by_table: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray],
+                                                                               list["_Fanout"]]:
+        """Tables, their checked keys and their fanouts, in the order of `keys_by_table`."""
+        if not isinstance(keys_by_table, Mapping):
+            raise TypeError(f"expected a dict of table name -> keys, got {type(keys_by_table).__name__}")
+        tables = list(keys_by_table)
+        keys = [_check_keys(keys_by_table[t], f"keys of table {t!r}") for t in tables]
+        for table in tables:
+            self.dim(table)  # every table is served
+        return tables, keys, [self._route(t, k) for t, k in zip(tables, keys)]
+
+    def _many_requests(self, op: str, tables: list[str], fanouts: list["_Fanout"], meta: dict[str, Any],
+                       grads: list[np.ndarray] | None = None):
+        """The plan of `_requests` and its (client, op, arrays, meta) requests; with `grads`
+        (summed per unique key, one array per table) each request carries them encoded."""
+        plan = self._requests(fanouts)
+        requests = []
+        for s, parts in plan:
+            arrays = {f"keys.{i}": fanouts[t].unique_keys[picked] for i, (t, _, picked) in enumerate(parts)}
+            part_meta = {**meta, "tables": [tables[t] for t, _, _ in parts], "codec": self.codec.name}
+            if grads is not None:
+                encoded = [self.codec.encode(grads[t][picked], argument=f"grads of table {tables[t]!r}")
+                           for t, _, picked in parts]
+                for i, one in enumerate(encoded):
+                    arrays.update(part_arrays(i, one.arrays))
+                part_meta["codec_meta"] = [one.meta for one in encoded]
+            requests.append((self._clients[s], op, arrays, part_meta))
+        return plan, requests
+
+    def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True) -> dict[str, np.ndarray]:
+        """{table: float32 [len(keys), dim] rows in the order of its keys} (absent keys read as zeros).
+
+        One request per shard carries every table (more only past `max_keys_per_request` keys).
+        """
+        tables, keys, fanouts = self._route_tables(keys_by_table)
+        plan, requests = self._many_requests("lookup_many", tables, fanouts, {"insert": bool(insert)})
+        replies = request_all(requests, idempotent=True)
+        rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, keys)]
+        for (s, parts), reply in zip(plan, replies):
+            codec_meta = reply.meta.get("codec_meta")
+            if not isinstance(codec_meta, list) or len(codec_meta) != len(parts):
+                raise ValueError(f"shard {s} ({self.addresses[s]}) answered codec_meta {codec_meta!r} "
+                                 f"for {len(parts)} tables")
+            for (t, first, picked), arrays, meta in zip(parts, split_parts(reply.arrays, len(parts)), codec_meta):
+                part_rows = self.codec.decode(Encoded(reply.meta.get("codec"), arrays, meta))
+                if part_rows.shape != (len(picked), rows[t].shape[1]):
+                    raise ValueError(f"shard {s} ({self.addresses[s]}) answered {part_rows.shape} rows of "
+                                     f"table {tables[t]!r} for {len(picked)} keys of dim {rows[t].shape[1]}")
+                _place_rows(rows[t], np.ascontiguousarray(part_rows), s, first, fanouts[t].shard,
+                            fanouts[t].local, fanouts[t].inverse)
+        return dict(zip(tables, rows))
+
     def lookup(self, table: str, keys: np.ndarray, insert: bool = True) -> np.ndarray:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
-        keys = _check_keys(keys)
-        dim = self.dim(table)
-        fanout = self._route(table, keys)
-        meta = {"table": table, "insert": bool(insert), "codec": self.codec.name}
-        parts = self._parts(fanout)
-        replies = request_all(
-            [(self._clients[s], "lookup", {"keys": fanout.unique_keys[picked]}, meta)
-             for s, _, picked in parts],
-            idempotent=True,
-        )
-        rows = np.empty((len(keys), dim), dtype=np.float32)
-        for (s, first, picked), reply in zip(parts, replies):
-            encoded = Encoded(reply.meta.get("codec"), reply.arrays, reply.meta.get("codec_meta", {}))
-            part_rows = self.codec.decode(encoded)
-            if part_rows.shape != (len(picked), dim):
-                raise ValueError(f"shard {s} ({self.addresses[s]}) answered {part_rows.shape} rows "
-                                 f"for {len(picked)} keys of dim {dim}")
-            _place_rows(rows, np.ascontiguousarray(part_rows), s, first, fanout.shard, fanout.local,
-                        fanout.inverse)
-        return rows
+        return self.lookup_tables({table: keys}, insert)[table]
+
+    def push_tables(self, grads_by_table: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> int:
+        """Send {table: (keys, grads)} (one row per key; equal keys are summed); returns dropped updates.
+
+        A dropped update is a key the shard no longer holds (evicted or never admitted). Every
+        table is checked before anything is sent, and each shard checks its whole request
+        before applying any of it.
+        """
+        if not isinstance(grads_by_table, Mapping):
+            raise TypeError(f"expected a dict of table name -> (keys, grads), got {type(grads_by_table).__name__}")
+        for table, pair in grads_by_table.items():
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(f"grads_by_table[{table!r}] must be a (keys, grads) tuple, got {type(pair).__name__}")
+        tables, keys, fanouts = self._route_tables({t: pair[0] for t, pair in grads_by_table.items()})
+        summed = []
+        for table, table_keys, fanout in zip(tables, keys, fanouts):
+            grads, dim = grads_by_table[table][1], self.dim(table)
+            if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (len(table_keys), dim):
+                raise ValueError(
+                    f"grads of table {table!r} must be a float32 array of shape ({len(table_keys)}, {dim}), "
+                    f"got {getattr(grads, 'dtype', type(grads).__name__)} {getattr(grads, 'shape', '')}"
+                )
+            if not np.isfinite(grads).all():
+                raise ValueError(f"grads of table {table!r} hold NaN or inf; nothing was sent")
+            summed.append(np.zeros((len(fanout.unique_keys), dim), dtype=np.float32))
+            _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed[-1])
+        _, requests = self._many_requests("push_many", tables, fanouts, {}, summed)
+        return sum(int(reply.meta["dropped"]) for reply in request_all(requests, idempotent=False))
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
         """Send gradients (one row per key; equal keys are summed); returns dropped updates.
 
         A dropped update is a key the shard no longer holds (evicted or never admitted).
         """
-        keys = _check_keys(keys)
-        dim = self.dim(table)
-        if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (len(keys), dim):
-            raise ValueError(
-                f"grads must be a float32 array of shape ({len(keys)}, {dim}), got "
-                f"{getattr(grads, 'dtype', type(grads).__name__)} {getattr(grads, 'shape', '')}"
-            )
-        if not np.isfinite(grads).all():
-            raise ValueError("grads holds NaN or inf; nothing was sent")
-        fanout = self._route(table, keys)
-        summed = np.zeros((len(fanout.unique_keys), dim), dtype=np.float32)
-        _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed)
-        requests = []
-        for s, _, picked in self._parts(fanout):
-            encoded = self.codec.encode(summed[picked], argument="grads")
-            requests.append((self._clients[s], "push", {"keys": fanout.unique_keys[picked], **encoded.arrays},
-                             {"table": table, "codec": encoded.codec, "codec_meta": encoded.meta}))
-        return sum(int(reply.meta["dropped"]) for reply in request_all(requests, idempotent=False))
+        return self.push_tables({table: (keys, grads)})
+
+    # ------------------------------------------------------------------ dense parameters
+    def _dense(self, op: str, names: Iterable[str], arrays: Mapping[str, np.ndarray], meta: dict[str, Any],
+               idempotent: bool) -> dict[str, np.ndarray]:
+        """One `op` request per shard holding some of `names`; the arrays the shards answer."""
+        by_shard: dict[int, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(dense_shard(name, self.num_shards), []).append(name)
+        requests = [(self._clients[s], op, {n: arrays[n] for n in group if n in arrays},
+                     {**meta, "names": group}) for s, group in by_shard.items()]
+        answered: dict[str, np.ndarray] = {}
+        for reply in request_all(requests, idempotent=idempotent):
+            answered.update(reply.arrays)
+        return answered
+
+    def _dense_values(self, names: list[str], answered: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [n for n in names if n not in answered]
+        if missing:
+            raise ValueError(f"the shards did not answer dense params {missing}")
+        return {n: np.array(answered[n]) for n in names}  # writable copies of the frames
+
+    def dense_init(self, params: dict[str, np.ndarray], optimizer: dict) -> dict[str, np.ndarray]:
+        """Register float32 params (the first value any client gives for a name wins) with
+        `optimizer` {"name": adam|adagrad|sgd, "lr", "weight_decay"}; returns the current values."""
+        params = check_tensors(params, "params")
+        check_optimizer(optimizer)
+        answered = self._dense("dense_init", params, params, {"optimizer": dict(optimizer)}, idempotent=True)
+        return self._dense_values(list(params), answered)
+
+    def dense_pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """{name: current float32 value} of the dense params `names`."""
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"names must be a list of dense param names, got {names!r}")
+        return self._dense_values(list(names), self._dense("dense_pull", names, {}, {}, idempotent=True))
+
+    def dense_push(self, grads: dict[str, np.ndarray]) -> None:
+        """One optimizer step on each named param with its float32 gradient (not retried)."""
+        grads = check_tensors(grads, "grads")
+        self._dense("dense_push", grads, grads, {}, idempotent=False)
 
     def ping(self) -> list[dict[str, Any]]:
         return [reply.meta for reply in self._broadcast("ping")]

@@ -10,13 +10,24 @@ Operations (see `hybridrec.comm.transport` for the wire format):
   ping        -> meta {pid, tables: {name: dim}}
   lookup      keys uint64[n], meta {table, insert, codec}       -> rows encoded with `codec`
   push        keys uint64[n] + grads encoded with meta codec    -> meta {dropped}
-  stats       -> meta {pid, tables: {name: store.stats()}}
-  checkpoint  meta {directory}: each table saved to directory/<table>
-  load        meta {directory}: each table replaced by the one saved in directory/<table>
+  lookup_many keys.<i> uint64 per table i, meta {tables, insert, codec}
+              -> arrays "<i>.<codec array>" per table, meta {codec, codec_meta: [per table]}
+  push_many   keys.<i> + "<i>.<codec array>" per table, meta {tables, codec, codec_meta: [...]}
+              -> meta {dropped: total}; every table is checked before any is changed
+  dense_init  {name: float32 array}, meta {optimizer: {name, lr, weight_decay}}
+              -> the current value of each name (the first value given for a name wins)
+  dense_pull  meta {names}                                     -> {name: current value}
+  dense_push  {name: float32 grad}: one optimizer step each     -> meta {version}
+  stats       -> meta {pid, tables: {name: store.stats()}, dense: {params, version}}
+  checkpoint  meta {directory}: each table saved to directory/<table>, dense params to
+              directory/dense (when the server holds any)
+  load        meta {directory}: each table replaced by the one saved in directory/<table>,
+              the dense params by directory/dense (none there: no dense params)
   shutdown    stop after replying
 
-Run one with `python -m hybridrec.ps.server --port 7001 --table user:16:1000000` or call
-`serve(...)` (the `hybridrec serve-ps` command does).
+Run one with `python -m hybridrec.ps.server --port 7001 --table user:16:1000000` (or
+`--config job.yaml [--set KEY=VALUE ...]` for every table of a job) or call `serve(...)`
+(the `hybridrec serve-ps` command does).
 """
 
 from __future__ import annotations
@@ -39,9 +50,13 @@ from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Message, Operation, Server
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
+from hybridrec.embedding.store import check_grad, check_keys
+from hybridrec.ps.client import part_arrays, split_parts
+from hybridrec.ps.dense import DenseStore
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
 LISTENING = " listening on "  # what `main` prints, with the address, once it serves
+DENSE_DIRECTORY = "dense"  # inside a checkpoint directory; no table may be called so
 
 
 def _table_config(name: str, spec: TableConfig | Mapping[str, Any]) -> TableConfig:
@@ -68,6 +83,8 @@ def open_stores(tables: Mapping[str, TableSpec], shm_prefix: str | None = None) 
     for name, spec in tables.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"table names must be non-empty strings, got {name!r}")
+        if name == DENSE_DIRECTORY:
+            raise ValueError(f"table name {name!r} is reserved for the dense params' checkpoint")
         if isinstance(spec, EmbeddingStore):
             stores[name] = spec
         elif shm_prefix is None:
@@ -84,11 +101,17 @@ class EmbeddingServer:
     def __init__(self, stores: dict[str, EmbeddingStore], *, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 2, max_frame_bytes: int = 1 << 30):
         self.stores = dict(stores)
+        self.dense = DenseStore()
         self._swap = threading.Lock()  # guards replacing stores on `load`
         operations = {
             "ping": Operation(self._ping),
             "lookup": Operation(self._lookup, {"keys": "uint64"}),
             "push": Operation(self._push, arrays=None),  # keys + the codec's arrays
+            "lookup_many": Operation(self._lookup_many, arrays=None),  # keys.<i>
+            "push_many": Operation(self._push_many, arrays=None),  # keys.<i> + <i>.<codec array>
+            "dense_init": Operation(self._dense_init, arrays=None),
+            "dense_pull": Operation(self._dense_pull),
+            "dense_push": Operation(self._dense_push, arrays=None),
             "stats": Operation(self._stats),
             "checkpoint": Operation(self._checkpoint),
             "load": Operation(self._load),
@@ -134,31 +157,114 @@ class EmbeddingServer:
         return Message("ping", meta={"pid": os.getpid(),
                                      "tables": {n: s.dim for n, s in self.stores.items()}})
 
-    def _lookup(self, request: Message) -> Message:
-        _, store = self._store(request.meta)
-        insert = request.meta.get("insert", True)
+    def _stores_of(self, meta: dict[str, Any]) -> list[EmbeddingStore]:
+        """The store of each name in meta 'tables' (a many-table request)."""
+        tables = meta.get("tables")
+        if not isinstance(tables, list) or not all(isinstance(t, str) for t in tables):
+            raise ValueError(f"meta 'tables' must be a list of table names, got {tables!r}")
+        with self._swap:
+            stores = dict(self.stores)
+        unknown = sorted({t for t in tables if t not in stores})
+        if unknown:
+            raise ValueError(f"meta 'tables' names {unknown}; this server holds {sorted(stores)}")
+        return [stores[t] for t in tables]
+
+    @staticmethod
+    def _insert(meta: dict[str, Any]) -> bool:
+        insert = meta.get("insert", True)
         if not isinstance(insert, bool):
             raise ValueError(f"meta 'insert' must be true or false, got {insert!r}")
+        return insert
+
+    @staticmethod
+    def _many_keys(arrays: dict[str, np.ndarray], count: int) -> list[np.ndarray]:
+        """keys.0 .. keys.<count-1>, each a 1-D uint64 array; removed from `arrays`."""
+        keys = []
+        for i in range(count):
+            if f"keys.{i}" not in arrays:
+                raise ValueError(f"array 'keys.{i}' is missing (one per table of meta 'tables')")
+            keys.append(check_keys(arrays.pop(f"keys.{i}"), f"array 'keys.{i}'"))
+        return keys
+
+    @staticmethod
+    def _grads(store: EmbeddingStore, keys: np.ndarray, codec, arrays: dict[str, np.ndarray],
+               codec_meta: Any, name: str) -> np.ndarray:
+        """The decoded gradients of `keys`, checked (shape, finite) against `store`."""
+        if not isinstance(codec_meta, dict):
+            raise ValueError(f"{name} codec_meta must be a dict, got {codec_meta!r}")
+        grads = codec.decode(Encoded(codec.name, arrays, codec_meta))
+        return check_grad(grads, keys.shape[0], store.dim, f"{name} grads")
+
+    def _lookup(self, request: Message) -> Message:
+        _, store = self._store(request.meta)
+        insert = self._insert(request.meta)
         codec = make_value_codec(request.meta.get("codec", "none"))
         encoded = codec.encode(store.pull(np.ascontiguousarray(request.arrays["keys"]), insert=insert))
         return Message("lookup", encoded.arrays, {"codec": codec.name, "codec_meta": encoded.meta})
 
     def _push(self, request: Message) -> Message:
-        _, store = self._store(request.meta)
+        table, store = self._store(request.meta)
         arrays = dict(request.arrays)
         keys = arrays.pop("keys", None)
         if keys is None or keys.dtype != np.uint64:
             raise ValueError("push needs a uint64 array 'keys'")
         codec = make_value_codec(request.meta.get("codec", "none"))
-        grads = codec.decode(Encoded(codec.name, arrays, request.meta.get("codec_meta", {})))
-        dropped = store.push(np.ascontiguousarray(keys), np.ascontiguousarray(grads))
-        return Message("push", meta={"dropped": int(dropped)})
+        grads = self._grads(store, keys, codec, arrays, request.meta.get("codec_meta", {}), f"table {table!r}")
+        return Message("push", meta={"dropped": int(store.push(np.ascontiguousarray(keys), grads))})
+
+    def _lookup_many(self, request: Message) -> Message:
+        stores = self._stores_of(request.meta)
+        insert = self._insert(request.meta)
+        codec = make_value_codec(request.meta.get("codec", "none"))
+        arrays = dict(request.arrays)
+        keys = self._many_keys(arrays, len(stores))
+        if arrays:
+            raise ValueError(f"lookup_many takes only arrays keys.0..keys.{len(stores) - 1}, "
+                             f"also got {sorted(arrays)}")
+        reply, codec_meta = {}, []
+        for i, (store, table_keys) in enumerate(zip(stores, keys)):
+            encoded = codec.encode(store.pull(table_keys, insert=insert))
+            reply.update(part_arrays(i, encoded.arrays))
+            codec_meta.append(encoded.meta)
+        return Message("lookup_many", reply, {"codec": codec.name, "codec_meta": codec_meta})
+
+    def _push_many(self, request: Message) -> Message:
+        stores = self._stores_of(request.meta)
+        tables = request.meta["tables"]
+        codec = make_value_codec(request.meta.get("codec", "none"))
+        codec_meta = request.meta.get("codec_meta", [{}] * len(stores))
+        if not isinstance(codec_meta, list) or len(codec_meta) != len(stores):
+            raise ValueError(f"meta 'codec_meta' must be a list of {len(stores)} dicts (one per table), "
+                             f"got {codec_meta!r}")
+        arrays = dict(request.arrays)
+        keys = self._many_keys(arrays, len(stores))
+        parts = split_parts(arrays, len(stores))
+        # Check every table before applying any, so a bad request changes nothing.
+        grads = [self._grads(store, k, codec, part, m, f"table {i} ({t!r})")
+                 for i, (store, k, part, m, t) in enumerate(zip(stores, keys, parts, codec_meta, tables))]
+        dropped = sum(store.push(k, g) for store, k, g in zip(stores, keys, grads))
+        return Message("push_many", meta={"dropped": int(dropped)})
+
+    def _dense_init(self, request: Message) -> Message:
+        values = self.dense.init(request.arrays, request.meta.get("optimizer"))
+        return Message("dense_init", values)
+
+    def _dense_pull(self, request: Message) -> Message:
+        names = request.meta.get("names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"meta 'names' must be a list of dense param names, got {names!r}")
+        return Message("dense_pull", self.dense.pull(names))
+
+    def _dense_push(self, request: Message) -> Message:
+        return Message("dense_push", meta={"version": self.dense.push(request.arrays)})
 
     def _stats(self, request: Message) -> Message:
         with self._swap:
             stores = dict(self.stores)
+        dense = self.dense
         return Message("stats", meta={"pid": os.getpid(),
-                                      "tables": {n: s.stats() for n, s in stores.items()}})
+                                      "tables": {n: s.stats() for n, s in stores.items()},
+                                      "dense": {"params": dense.shapes(), "version": dense.version}})
 
     @staticmethod
     def _directory(meta: dict[str, Any]) -> Path:
@@ -172,6 +278,7 @@ class EmbeddingServer:
         with self._swap:
             for name, store in self.stores.items():
                 store.save(directory / name)
+            self.dense.save(directory / DENSE_DIRECTORY)
         return Message("checkpoint", meta={"directory": str(directory), "tables": sorted(self.stores)})
 
     def _load(self, request: Message) -> Message:
@@ -181,7 +288,9 @@ class EmbeddingServer:
             raise ValueError(f"meta 'directory' {str(directory)!r} has no checkpoint of tables {missing}")
         # Read (and checksum) every table before replacing any, so a bad checkpoint changes nothing.
         loaded = {name: EmbeddingStore.load(directory / name) for name in self.stores}
+        dense = DenseStore.load(directory / DENSE_DIRECTORY)
         with self._swap:
+            self.dense = dense
             for name, old in list(self.stores.items()):
                 shm_name = old.shm_name
                 if shm_name is not None:  # the restarted server must find the loaded rows
@@ -259,10 +368,25 @@ def _parse_table(text: str) -> tuple[str, dict[str, Any]]:
     return parts[0], {"dim": int(parts[1]), "capacity": int(parts[2])}
 
 
+def _config_tables(parser: argparse.ArgumentParser, path: str, sets: list[str]) -> dict[str, TableConfig]:
+    """Every table of the job config at `path` (with `--set` overrides), as the trainer derives them."""
+    from hybridrec.config import ConfigError, load_config
+    from hybridrec.parallel.tables import job_tables  # imports the models: only when asked
+
+    try:
+        return job_tables(load_config(path, sets)).all_tables()
+    except ConfigError as error:
+        parser.error(f"--config {path}: {error}")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.server") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    parser.add_argument("--config", metavar="PATH",
+                        help="a YAML job config: serve every table of that job")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a --config value, as `hybridrec train --set` (repeatable)")
     parser.add_argument("--table", action="append", type=_parse_table, default=[],
                         metavar="NAME:DIM:CAPACITY", help="a table to serve (repeatable)")
     parser.add_argument("--tables-json", help='tables as JSON: {"name": {TableConfig fields}}')
@@ -272,12 +396,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     parser.add_argument("--shm-name", dest="shm_prefix", help="keep tables in named shared memory")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    tables: dict[str, Any] = json.loads(args.tables_json) if args.tables_json else {}
+    if args.sets and not args.config:
+        parser.error("--set overrides values of --config; give --config PATH too")
+    tables: dict[str, Any] = _config_tables(parser, args.config, args.sets) if args.config else {}
+    given = [json.loads(args.tables_json) if args.tables_json else {}]
     for name, fields in args.table:
         optimizer = {"name": args.optimizer, **({} if args.lr is None else {"lr": args.lr})}
-        tables[name] = {**fields, "optimizer": optimizer, "seed": args.seed}
+        given.append({name: {**fields, "optimizer": optimizer, "seed": args.seed}})
+    for more in given:
+        twice = sorted(set(tables) & set(more))
+        if twice:
+            parser.error(f"tables {twice} are given twice (by --config, --tables-json or --table)")
+        tables.update(more)
     if not tables:
-        parser.error("give at least one --table NAME:DIM:CAPACITY or --tables-json")
+        parser.error("give at least one --table NAME:DIM:CAPACITY, --tables-json or --config")
     # Requests run in parallel on --threads workers; torch's own pool (used by the fp16 codec)
     # would only oversubscribe the cores, so it gets one thread per worker.
     torch.set_num_threads(1)
