@@ -415,3 +415,22 @@ def make_value_codec(name: str, **options: Any) -> RawValueCodec | Fp16BlockCode
     if name not in VALUE_CODECS:
         raise ValueError(f"value codec must be one of {sorted(VALUE_CODECS)}, got {name!r}")
     return VALUE_CODECS[name](**options)
+
+
+def with_prefix(encoded: Encoded, prefix: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`encoded`'s arrays renamed `<prefix>.<name>` plus {codec, meta}, so several encoded
+    values travel in one message (see `without_prefix`)."""
+    arrays = {f"{prefix}.{name}": array for name, array in encoded.arrays.items()}
+    return arrays, {"codec": encoded.codec, "meta": encoded.meta}
+
+
+def without_prefix(arrays: dict[str, np.ndarray], prefix: str, described: Any) -> Encoded:
+    """The Encoded that `with_prefix(encoded, prefix)` put into `arrays` and `described`."""
+    if not isinstance(described, dict) or not isinstance(described.get("codec"), str):
+        raise ValueError(f"meta for {prefix!r} must be {{'codec': name, 'meta': {{...}}}}, got {described!r}")
+    start = prefix + "."
+    own = {name[len(start):]: array for name, array in arrays.items() if name.startswith(start)}
+    meta = described.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta of {prefix!r} must be a JSON object, got {meta!r}")
+    return Encoded(described["codec"], own, meta)

@@ -446,3 +446,36 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Service:
+    """The lifecycle of an object that answers requests through `self.transport` (a Server):
+    `start()` then `wait()`/`stop()`, or use it as a context manager. Subclasses release their
+    own resources in `_release()`, called once the transport has stopped."""
+
+    transport: Server
+
+    def start(self) -> int:
+        return self.transport.start()
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.transport.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        stopped = self.transport.stop(timeout)
+        self._release()
+        return stopped
+
+    def _release(self) -> None:
+        pass
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

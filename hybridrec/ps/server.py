@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from hybridrec.comm.codec import Encoded, make_value_codec
-from hybridrec.comm.transport import Message, Operation, Server
+from hybridrec.comm.transport import Message, Operation, Server, Service
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
@@ -71,8 +71,11 @@ def _table_config(name: str, spec: TableConfig | Mapping[str, Any]) -> TableConf
 
 
 def table_shm_name(shm_prefix: str, table: str) -> str:
-    """The shared-memory name of one table of a server started with `shm_prefix`."""
-    return f"{shm_prefix}.{table}"
+    """The shared-memory name of one table of a server started with `shm_prefix`.
+
+    ':' (in wide tables' names, '<table>:wide') is not allowed in shared-memory names; it
+    becomes '..', which no generated table name contains."""
+    return f"{shm_prefix}.{table.replace(':', '..')}"
 
 
 def open_stores(tables: Mapping[str, TableSpec], shm_prefix: str | None = None) -> dict[str, EmbeddingStore]:
@@ -95,7 +98,7 @@ def open_stores(tables: Mapping[str, TableSpec], shm_prefix: str | None = None) 
     return stores
 
 
-class EmbeddingServer:
+class EmbeddingServer(Service):
     """The stores of one shard behind a `transport.Server`; `start()` then `wait()`/`stop()`."""
 
     def __init__(self, stores: dict[str, EmbeddingStore], *, host: str = "127.0.0.1",
@@ -120,29 +123,9 @@ class EmbeddingServer:
         self.transport = Server(operations, host=host, port=port, threads=threads,
                                 max_frame_bytes=max_frame_bytes)
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> int:
-        return self.transport.start()
-
-    @property
-    def address(self) -> str:
-        return self.transport.address
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.transport.wait(timeout)
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        stopped = self.transport.stop(timeout)
+    def _release(self) -> None:
         for store in self.stores.values():
             store.close()
-        return stopped
-
-    def __enter__(self) -> "EmbeddingServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ operations
     def _store(self, meta: dict[str, Any]) -> tuple[str, EmbeddingStore]:

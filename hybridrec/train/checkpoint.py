@@ -48,17 +48,28 @@ def checkpoint_root(output_dir) -> Path:
 def save_training(output_dir, model, optimizer, progress: dict, cfg=None, keep: int | None = None) -> Path:
     """Write a complete checkpoint of the run at `progress['step']`, point `latest` at it and, with
     `keep`, delete all but the newest `keep` checkpoints."""
+    def write_stores(embeddings: Path) -> None:
+        for cname, collection in model.collections().items():
+            for tname, store in collection.stores.items():
+                store.save(embeddings / cname / tname.replace(":", "_"))
+
+    return save_checkpoint(output_dir, {"model": model.dense_model.state_dict(), "optimizer": optimizer.state_dict()},
+                           write_stores, progress, cfg, keep)
+
+
+def save_checkpoint(output_dir, dense_state: dict, write_embeddings, progress: dict, cfg=None,
+                    keep: int | None = None) -> Path:
+    """The checkpoint protocol of every strategy: `dense_state` (+ torch RNG) to dense.pt,
+    `write_embeddings(directory)` fills `<checkpoint>/embeddings`, then progress.json, the atomic
+    rename and the `latest` pointer."""
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{progress['step']:09d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save({"model": model.dense_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "dense.pt")
-    for cname, collection in model.collections().items():
-        for tname, store in collection.stores.items():
-            store.save(tmp / "embeddings" / cname / tname.replace(":", "_"))
+    torch.save({**dense_state, "torch_rng": torch.get_rng_state()}, tmp / "dense.pt")
+    write_embeddings(tmp / "embeddings")
     record = {**progress, "identity": resume_identity(cfg)} if cfg is not None else dict(progress)
     (tmp / PROGRESS).write_text(json.dumps(record))
     shutil.rmtree(final, ignore_errors=True)
@@ -84,10 +95,9 @@ def latest_checkpoint(output_dir) -> Path | None:
     return done[-1] if done else None
 
 
-def load_training(path, model, optimizer=None, cfg=None) -> dict:
-    """Restore a checkpoint into `model` (and `optimizer`); returns its progress record.
-
-    With `cfg`, refuses (ConfigError) a checkpoint written under different RESUME_KEYS values."""
+def read_progress(path, cfg=None) -> dict:
+    """A checkpoint's progress record; with `cfg`, refuses (ConfigError) a checkpoint written
+    under different RESUME_KEYS values."""
     path = Path(path)
     if not (path / PROGRESS).is_file():
         raise FileNotFoundError(f"checkpoint: {path} is not a complete training checkpoint (no {PROGRESS})")
@@ -99,11 +109,26 @@ def load_training(path, model, optimizer=None, cfg=None) -> dict:
         if changed:
             raise ConfigError(f"resume: {path} was trained with other settings; resuming would not continue "
                               f"that run. Differences: " + "; ".join(changed))
-    state = torch.load(path / "dense.pt", weights_only=True, map_location="cpu")
+    return record
+
+
+def read_dense(path) -> dict:
+    """The dense.pt state of a checkpoint; restores torch's RNG state as it was saved."""
+    state = torch.load(Path(path) / "dense.pt", weights_only=True, map_location="cpu")
+    torch.set_rng_state(state["torch_rng"])
+    return state
+
+
+def load_training(path, model, optimizer=None, cfg=None) -> dict:
+    """Restore a checkpoint into `model` (and `optimizer`); returns its progress record.
+
+    With `cfg`, refuses (ConfigError) a checkpoint written under different RESUME_KEYS values."""
+    path = Path(path)
+    record = read_progress(path, cfg)
+    state = read_dense(path)
     model.dense_model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
     for cname, collection in model.collections().items():
         for tname, store in list(collection.stores.items()):
             directory = path / "embeddings" / cname / tname.replace(":", "_")
