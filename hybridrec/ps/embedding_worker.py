@@ -1,0 +1,262 @@
+"""The embedding worker: Persia's middle tier between the data loader, the NN workers and the PS.
+
+Persia §4.1 steps (1)-(7):
+  put   the ID features of a batch arrive (with the job's ID codec); the worker gives the batch
+        sample ids whose first byte is its rank (sample i of the batch = first + i), buffers the
+        IDs under the first id and answers with it;
+  pull  an NN worker asks for a buffered batch's embeddings: the worker deduplicates and routes
+        the IDs of every table to the PS shards (one request per shard for all tables), pools
+        per (sample, feature) and answers with [B, F, D] deep and [B, F] wide embeddings (the
+        job's value codec);
+  push  the NN worker sends the gradients of those embeddings: the worker maps them back to the
+        IDs, sums equal ones and pushes them to the PS, where the fused optimizer applies them;
+        the batch leaves the buffer.
+The worker keeps no state across restarts: batches buffered when it dies are lost; a pull or
+push of a lost batch is answered with `lost: true` and counted, as Persia does. The buffer
+holds at most `max_buffered` batches; older ones are dropped and counted.
+
+Run one with `hybridrec embedding-worker CONFIG --rank 0 --ps tcp://127.0.0.1:7001,...`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from hybridrec.comm.codec import Encoded, make_id_codec, make_value_codec, with_prefix, without_prefix
+from hybridrec.comm.transport import Message, Operation, Server, Service
+from hybridrec.data.batch import JaggedFeatures
+from hybridrec.parallel.tables import JobTables
+from hybridrec.ps.client import PSClient
+from hybridrec.ps.pooling import TableBags, pool, table_bags, unpool
+
+READY = "hybridrec-embedding-worker listening on "  # printed with the address once it serves
+SAMPLE_ID_RANK_SHIFT = 56  # a sample id's first byte is the embedding worker's rank
+MAX_RANK = 255
+
+
+def worker_of(sample_id: int) -> int:
+    """The rank of the embedding worker that buffered `sample_id`."""
+    return int(sample_id) >> SAMPLE_ID_RANK_SHIFT
+
+
+@dataclass
+class _Buffered:
+    features: JaggedFeatures
+    deep: list[TableBags] | None = None  # filled by the first pull, reused by the push
+    wide: list[TableBags] | None = None
+    pulled: bool = field(default=False)
+
+
+def _meta_int(meta: dict, name: str) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"meta {name!r} must be an int >= 0, got {value!r}")
+    return value
+
+
+class EmbeddingWorker(Service):
+    """Buffers batches' ID features and serves their pooled embeddings from the PS shards."""
+
+    def __init__(self, tables: JobTables, ps_addresses: Sequence[str], rank: int, *,
+                 host: str = "127.0.0.1", port: int = 0, threads: int = 2, id_codec: str = "unique",
+                 value_codec: str = "none", timeout: float = 30.0, retries: int = 3,
+                 max_buffered: int = 256):
+        if not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
+            raise ValueError(f"rank must be an int in [0, {MAX_RANK}] (it is a sample id's first byte), got {rank!r}")
+        if not isinstance(max_buffered, int) or max_buffered < 1:
+            raise ValueError(f"max_buffered must be an int >= 1, got {max_buffered!r}")
+        self.tables, self.rank = tables, rank
+        self.ps_addresses = list(ps_addresses)
+        self.id_codec = make_id_codec(id_codec)
+        self.value_codec = make_value_codec(value_codec)
+        self._ps_options = dict(timeout=timeout, retries=retries, value_codec=value_codec)
+        self._ps = threading.local()  # one PSClient per server thread (clients are not thread-safe)
+        self._ps_clients: list[PSClient] = []
+        self.max_buffered = max_buffered
+        self._buffer: OrderedDict[int, _Buffered] = OrderedDict()
+        self._lock = threading.Lock()
+        self._next_sample = 0
+        self.counters = {"puts": 0, "pulls": 0, "pushes": 0, "dropped_batches": 0, "lost_pulls": 0,
+                         "lost_pushes": 0, "dropped_updates": 0}
+        self._pooling = {name: cfg.pooling for name, cfg in tables.all_tables().items()}
+        self._dims = {name: cfg.dim for name, cfg in tables.all_tables().items()}
+        operations = {
+            "ping": Operation(self._ping),
+            "put": Operation(self._put, arrays=None),
+            "pull": Operation(self._pull),
+            "push": Operation(self._push, arrays=None),
+            "stats": Operation(self._stats),
+            "shutdown": Operation(self._shutdown),
+        }
+        self.transport = Server(operations, host=host, port=port, threads=threads)
+
+    def _release(self) -> None:
+        for client in self._ps_clients:
+            client.close()
+
+    def _client(self) -> PSClient:
+        client = getattr(self._ps, "client", None)
+        if client is None:
+            client = self._ps.client = PSClient(self.ps_addresses, **self._ps_options)
+            with self._lock:
+                self._ps_clients.append(client)
+        return client
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+
+    # ------------------------------------------------------------------ operations
+    def _ping(self, request: Message) -> Message:
+        return Message("ping", meta={"pid": os.getpid(), "rank": self.rank, "ps": self.ps_addresses})
+
+    def _put(self, request: Message) -> Message:
+        encoded = Encoded(request.meta.get("codec"), dict(request.arrays), request.meta.get("codec_meta", {}))
+        if encoded.codec != self.id_codec.name:
+            raise ValueError(f"meta 'codec' is {encoded.codec!r}; this job's ID codec is {self.id_codec.name!r}")
+        features = self.id_codec.decode(encoded)
+        if sorted(features.names) != sorted(self.tables.sparse_names):
+            raise ValueError(f"the batch has features {features.names}; this job's sparse features are "
+                             f"{self.tables.sparse_names}")
+        batch = features.batch_size
+        if batch >= 1 << SAMPLE_ID_RANK_SHIFT:
+            raise ValueError(f"batch of {batch} samples is too large for one put")
+        with self._lock:
+            if self._next_sample + batch >= 1 << SAMPLE_ID_RANK_SHIFT:
+                self._next_sample = 0  # the 56-bit counter wraps after 7e16 samples
+            first = (self.rank << SAMPLE_ID_RANK_SHIFT) | self._next_sample
+            self._next_sample += max(batch, 1)
+            self._buffer[first] = _Buffered(features)
+            while len(self._buffer) > self.max_buffered:
+                self._buffer.popitem(last=False)
+                self.counters["dropped_batches"] += 1
+            self.counters["puts"] += 1
+        return Message("put", meta={"first_sample_id": first, "batch_size": batch})
+
+    def _bags(self, entry: _Buffered) -> tuple[list[TableBags], list[TableBags]]:
+        if entry.deep is None:
+            names = self.tables.sparse_names
+            entry.deep = (table_bags(entry.features, names, self.tables.deep_map, self._pooling)
+                          if self.tables.deep else [])
+            entry.wide = (table_bags(entry.features, names, self.tables.wide_map, self._pooling)
+                          if self.tables.wide else [])
+        return entry.deep, entry.wide
+
+    def _pull(self, request: Message) -> Message:
+        first = _meta_int(request.meta, "first_sample_id")
+        train = request.meta.get("train", True)
+        if not isinstance(train, bool):
+            raise ValueError(f"meta 'train' must be true or false, got {train!r}")
+        with self._lock:
+            entry = self._buffer.get(first) if train else self._buffer.pop(first, None)
+        if entry is None:
+            self._count("lost_pulls")
+            return Message("pull", meta={"lost": True})
+        deep_bags, wide_bags = self._bags(entry)
+        keys = {bags.table: bags.keys for bags in deep_bags + wide_bags}
+        rows = self._client().lookup_tables(keys, insert=train)
+        batch, num_features = entry.features.batch_size, len(self.tables.sparse_names)
+        arrays: dict[str, np.ndarray] = {}
+        meta: dict[str, Any] = {"lost": False, "batch_size": batch, "num_features": num_features}
+        for side, bags_list, dim in (("deep", deep_bags, self._side_dim(deep_bags)),
+                                     ("wide", wide_bags, 1)):
+            if not bags_list:
+                continue
+            out = torch.zeros(batch, num_features, dim)
+            for bags in bags_list:
+                pool(bags, rows[bags.table], out)
+            values = out.view(batch, num_features * dim) if side == "wide" else out.view(batch * num_features, dim)
+            side_arrays, meta[side] = with_prefix(self.value_codec.encode(values.numpy(), side), side)
+            arrays.update(side_arrays)
+        self._count("pulls")
+        return Message("pull", arrays, meta)
+
+    def _side_dim(self, bags_list: list[TableBags]) -> int:
+        return self._dims[bags_list[0].table] if bags_list else 0
+
+    def _push(self, request: Message) -> Message:
+        first = _meta_int(request.meta, "first_sample_id")
+        with self._lock:
+            entry = self._buffer.get(first)
+        if entry is None:
+            self._count("lost_pushes")
+            return Message("push", meta={"lost": True, "dropped": 0})
+        deep_bags, wide_bags = self._bags(entry)
+        batch, num_features = entry.features.batch_size, len(self.tables.sparse_names)
+        grads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for side, bags_list, dim in (("deep", deep_bags, self._side_dim(deep_bags)),
+                                     ("wide", wide_bags, 1)):
+            if not bags_list:
+                continue
+            if side not in request.meta:
+                raise ValueError(f"push of batch {first} lacks the {side!r} gradients")
+            encoded = without_prefix(request.arrays, side, request.meta[side])
+            if encoded.codec != self.value_codec.name:
+                raise ValueError(f"{side} gradients use codec {encoded.codec!r}; this job's value codec is "
+                                 f"{self.value_codec.name!r}")
+            values = self.value_codec.decode(encoded)
+            expected = (batch, num_features * dim) if side == "wide" else (batch * num_features, dim)
+            if values.shape != expected:
+                raise ValueError(f"{side} gradients have shape {values.shape}, expected {expected}")
+            if not np.isfinite(values).all():
+                raise ValueError(f"{side} gradients hold NaN or inf; nothing was applied")
+            grad = torch.from_numpy(np.ascontiguousarray(values)).view(batch, num_features, dim)
+            for bags in bags_list:
+                grads[bags.table] = (bags.keys, unpool(bags, grad))
+        with self._lock:  # the batch leaves the buffer once its gradients are checked
+            if self._buffer.pop(first, None) is None:
+                self.counters["lost_pushes"] += 1
+                return Message("push", meta={"lost": True, "dropped": 0})
+        dropped = self._client().push_tables(grads)
+        with self._lock:
+            self.counters["pushes"] += 1
+            self.counters["dropped_updates"] += int(dropped)
+        return Message("push", meta={"lost": False, "dropped": int(dropped)})
+
+    def _stats(self, request: Message) -> Message:
+        with self._lock:
+            return Message("stats", meta={"pid": os.getpid(), "rank": self.rank, "buffered": len(self._buffer),
+                                          **self.counters})
+
+    def _shutdown(self, request: Message) -> Message:
+        self.transport.request_stop()
+        return Message("shutdown", meta={"pid": os.getpid()})
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.embedding_worker") -> int:
+    from hybridrec.config import load_config
+    from hybridrec.parallel.tables import job_tables
+    from hybridrec.ps.server import run_until_stopped
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="the job's YAML config (tables, codecs, timeouts)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--rank", type=int, required=True, help=f"this worker's rank, 0..{MAX_RANK}")
+    parser.add_argument("--ps", required=True, help="the PS servers' addresses, comma-separated, in shard order")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    strategy = cfg.strategy
+    addresses = [a for a in args.ps.split(",") if a]
+    torch.set_num_threads(1)
+    worker = EmbeddingWorker(job_tables(cfg), addresses, args.rank, host=args.host, port=args.port,
+                             threads=args.threads, id_codec=strategy.id_codec, value_codec=strategy.value_codec,
+                             timeout=strategy.request_timeout, retries=strategy.retries,
+                             max_buffered=strategy.max_buffered_batches)
+    worker.start()
+    run_until_stopped(worker, on_ready=lambda: print(f"{READY}{worker.address} pid {os.getpid()}", flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

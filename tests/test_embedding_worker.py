@@ -1,0 +1,127 @@
+"""Embedding worker: put/pull/push against real PS servers equals the local EmbeddingCollection;
+lost and dropped batches are counted, sample ids carry the rank, bad requests leave it serving."""
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.comm.transport import Client, RemoteError
+from hybridrec.config import parse_config
+from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
+from hybridrec.parallel.tables import job_tables
+from hybridrec.ps.embedding_worker import EmbeddingWorker, worker_of
+from hybridrec.ps.server import serve
+from hybridrec.train.data import build_sources
+from hybridrec.train.recmodel import RecModel
+
+# multi-hot features, a table shared by two features, mean and sqrt-n pooling, deep and wide sides
+CONFIG = {
+    "strategy": {"name": "persia"},
+    "data": {"format": "synthetic", "batch_size": 48,
+             "synthetic": {"n_categorical": 3, "n_multi_hot": 2, "multi_hot_max_length": 4, "n_dense": 2,
+                           "vocab_size": 200, "train_rows": 500, "test_rows": 100}},
+    "model": {"name": "deepfm", "embedding_dim": 4, "hparams": {"hidden": [8]}},
+    "embedding": {"default": {"capacity": 5000, "optimizer": {"name": "adagrad", "lr": 0.1}},
+                  "shared": {"both": {"features": ["C1", "C2"], "pooling": "mean"}},
+                  "per_feature": {"M1": {"pooling": "sqrtn", "optimizer": {"name": "sgd", "lr": 0.3}}}},
+}
+
+
+@pytest.fixture
+def job():
+    cfg = parse_config(CONFIG)
+    tables = job_tables(cfg)
+    servers = [serve(tables=tables.all_tables(), block=False) for _ in range(2)]
+    worker = EmbeddingWorker(tables, [s.address for s in servers], rank=5, max_buffered=3)
+    worker.start()
+    client = EmbeddingWorkerClient([worker.address] * 6, put_to=5)
+    try:
+        yield cfg, tables, worker, client
+    finally:
+        client.close()
+        worker.stop()
+        for server in servers:
+            server.stop()
+
+
+def test_config_has_the_features_this_test_relies_on(job):
+    cfg, tables, _, _ = job
+    assert {"C1", "M1"} <= set(tables.sparse_names)
+    assert tables.deep_map["C1"] == tables.deep_map["C2"] == "both"
+
+
+def test_pull_and_push_equal_the_local_collection_step_by_step(job):
+    cfg, tables, _, client = job
+    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
+    local = RecModel(cfg, sources.sparse_names, sources.num_dense, 1)
+    generator = torch.Generator().manual_seed(0)
+    for step, batch in zip(range(4), sources.train):
+        deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
+        wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
+        first = client.put(batch.sparse)
+        pulled = client.pull(first)
+        np.testing.assert_allclose(pulled.deep, deep.detach().numpy(), rtol=0, atol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(pulled.wide, wide.detach().numpy(), rtol=0, atol=1e-6, err_msg=f"step {step}")
+        grad_deep = torch.randn(deep.shape, generator=generator)
+        grad_wide = torch.randn(wide.shape, generator=generator)
+        ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()  # local optimizers run here
+        reply = client.push(first, grad_deep.numpy(), grad_wide.numpy())
+        assert reply == {"lost": False, "dropped": 0}
+
+
+def test_sample_ids_start_with_the_rank_and_do_not_overlap(job):
+    cfg, _, _, client = job
+    batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
+    first, second = client.put(batch.sparse), client.put(batch.sparse)
+    assert worker_of(first) == worker_of(second) == 5
+    assert second - first >= batch.batch_size
+
+
+def test_lost_and_dropped_batches_are_counted_not_fatal(job):
+    cfg, _, worker, client = job
+    batches = list(zip(range(5), build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
+    ids = [client.put(batch.sparse) for _, batch in batches]  # the buffer holds 3: the first 2 drop
+    assert client.pull(ids[0]) is None
+    grads = client.pull(ids[4])
+    assert client.push(ids[0], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is True
+    assert client.push(ids[4], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is False
+    assert client.push(ids[4], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is True  # gone
+    stats = client.stats()[5]
+    assert stats["dropped_batches"] == 2 and stats["lost_pulls"] == 1 and stats["lost_pushes"] == 2
+    assert stats["buffered"] == 2
+
+
+def test_evaluation_pulls_do_not_insert_and_leave_the_buffer(job):
+    cfg, _, worker, client = job
+    batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).test))
+    first = client.put(batch.sparse)
+    pulled = client.pull(first, train=False)
+    assert not pulled.deep.any() and not pulled.wide.any()  # unseen keys read as zeros, not initialised
+    assert client.stats()[5]["buffered"] == 0
+
+
+def test_malformed_requests_get_errors_and_the_worker_keeps_serving(job):
+    cfg, _, worker, client = job
+    raw = Client(worker.address, timeout=10)
+    try:
+        with pytest.raises(RemoteError, match="codec"):
+            raw.request("put", {"keys": np.zeros(3, np.uint64)}, {"codec": "zip"})
+        with pytest.raises(RemoteError, match="first_sample_id"):
+            raw.request("pull", meta={"first_sample_id": "seven"})
+        batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
+        first = client.put(batch.sparse)
+        pulled = client.pull(first)
+        with pytest.raises(RemoteError, match="shape"):
+            client.push(first, pulled.deep[:, :2], pulled.wide)
+        with pytest.raises(RemoteError, match="NaN"):
+            client.push(first, np.full_like(pulled.deep, np.nan), pulled.wide)
+        # the rejected pushes changed nothing and the batch is still there
+        assert client.push(first, np.zeros_like(pulled.deep), np.zeros_like(pulled.wide))["lost"] is False
+    finally:
+        raw.close()
+
+
+def test_rank_must_fit_in_a_byte():
+    tables = job_tables(parse_config(CONFIG))
+    with pytest.raises(ValueError, match="rank"):
+        EmbeddingWorker(tables, ["tcp://127.0.0.1:1"], rank=256)
