@@ -1,0 +1,100 @@
+"""An NN worker's line to the embedding workers: put a batch's IDs, pull its pooled embeddings,
+push their gradients (Persia §4.1 steps 1, 3-4 and 6), counting the payload bytes on the wire.
+
+IDs go to this NN worker's own embedding worker; pulls and pushes go to the embedding worker
+named by the batch's first sample id (its first byte is that worker's rank). Not thread-safe:
+one client per thread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hybridrec.comm.codec import make_id_codec, make_value_codec, with_prefix, without_prefix
+from hybridrec.comm.transport import Client, Message
+from hybridrec.data.batch import JaggedFeatures
+from hybridrec.ps.embedding_worker import worker_of
+
+
+@dataclass
+class Pulled:
+    """A batch's embeddings: deep [B, F, D] and wide [B, F] float32 (None when the model has none)."""
+
+    deep: np.ndarray | None
+    wide: np.ndarray | None
+
+
+class EmbeddingWorkerClient:
+    def __init__(self, addresses: Sequence[str], put_to: int, *, id_codec: str = "unique",
+                 value_codec: str = "none", timeout: float = 30.0, retries: int = 3):
+        if isinstance(addresses, str) or not addresses:
+            raise ValueError(f"addresses must be a non-empty list of 'tcp://host:port', got {addresses!r}")
+        if not 0 <= put_to < len(addresses):
+            raise ValueError(f"put_to must index the {len(addresses)} embedding workers, got {put_to!r}")
+        self.addresses = list(addresses)
+        self.put_to = put_to
+        self.id_codec = make_id_codec(id_codec)
+        self.value_codec = make_value_codec(value_codec)
+        self._clients = [Client(a, timeout=timeout, retries=retries) for a in self.addresses]
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _owner(self, first_sample_id: int) -> Client:
+        rank = worker_of(first_sample_id)
+        if rank >= len(self._clients):
+            raise ValueError(f"sample id {first_sample_id:#x} names embedding worker {rank}, "
+                             f"but there are {len(self._clients)}")
+        return self._clients[rank]
+
+    def _sent(self, arrays: dict) -> None:
+        self.bytes_sent += sum(a.nbytes for a in arrays.values())
+
+    def _received(self, reply: Message) -> Message:
+        self.bytes_received += sum(a.nbytes for a in reply.arrays.values())
+        return reply
+
+    def put(self, features: JaggedFeatures) -> int:
+        """Buffer a batch's IDs on this NN worker's embedding worker; returns its first sample id."""
+        encoded = self.id_codec.encode(features)
+        self._sent(encoded.arrays)
+        # a retried put at worst buffers the batch twice; the unused copy ages out of the buffer
+        reply = self._clients[self.put_to].request(
+            "put", encoded.arrays, {"codec": encoded.codec, "codec_meta": encoded.meta}, idempotent=True)
+        return int(reply.meta["first_sample_id"])
+
+    def pull(self, first_sample_id: int, train: bool = True) -> Pulled | None:
+        """The batch's pooled embeddings, or None when its embedding worker lost it."""
+        reply = self._received(self._owner(first_sample_id).request(
+            "pull", meta={"first_sample_id": first_sample_id, "train": train}, idempotent=True))
+        if reply.meta.get("lost"):
+            return None
+        shape = (int(reply.meta["batch_size"]), int(reply.meta["num_features"]))
+        sides = {}
+        for side in ("deep", "wide"):
+            if side in reply.meta:
+                values = self.value_codec.decode(without_prefix(reply.arrays, side, reply.meta[side]))
+                sides[side] = values.reshape(*shape, -1) if side == "deep" else values.reshape(shape)
+        deep, wide = sides.get("deep"), sides.get("wide")
+        return Pulled(deep, wide)
+
+    def push(self, first_sample_id: int, deep_grad: np.ndarray | None, wide_grad: np.ndarray | None) -> dict:
+        """Send the gradients of a pulled batch's embeddings; returns {lost, dropped}."""
+        arrays, meta = {}, {"first_sample_id": first_sample_id}
+        for side, grad in (("deep", deep_grad), ("wide", wide_grad)):
+            if grad is None:
+                continue
+            rows = grad.reshape(grad.shape[0], -1) if side == "wide" else grad.reshape(-1, grad.shape[-1])
+            side_arrays, meta[side] = with_prefix(self.value_codec.encode(np.ascontiguousarray(rows), side), side)
+            arrays.update(side_arrays)
+        self._sent(arrays)
+        reply = self._owner(first_sample_id).request("push", arrays, meta)  # not retried: it could apply twice
+        return reply.meta
+
+    def stats(self) -> list[dict]:
+        return [client.request("stats", idempotent=True).meta for client in self._clients]
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()

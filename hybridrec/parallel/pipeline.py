@@ -1,0 +1,190 @@
+"""Bounded-staleness embedding pipeline of one NN worker (Persia's hybrid algorithm, §3.2).
+
+A feeder thread reads batches, puts their IDs on the embedding worker and pulls their
+embeddings ahead of the dense step; a pusher thread sends the gradients behind it. Between the
+lookup of a batch and the update of its embeddings at most `tau` later lookups may be served:
+the lookup of the t-th batch waits until the updates of batches 0 .. t-1-tau were acknowledged
+by the PS. Its staleness — this worker's earlier batches whose updates were not yet applied
+when it was looked up — is measured and is never more than `tau`. `tau = 0` is the synchronous
+discipline: every lookup sees every earlier update of this worker.
+
+Other NN workers' updates interleave freely with this worker's (the PS applies pushes as they
+come, without locks across workers), as in Persia.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from hybridrec.data.batch import Batch
+from hybridrec.parallel.embedding_client import EmbeddingWorkerClient, Pulled
+
+_POLL = 0.1  # seconds between looks at the stop flag while waiting
+_END = object()
+
+
+@dataclass
+class ReadyBatch:
+    """A batch with its embeddings, as the dense step gets it."""
+
+    index: int  # position in this worker's stream of batches (skipped ones count)
+    batch: Batch
+    first_sample_id: int
+    embeddings: Pulled
+    staleness: int
+
+
+class EmbeddingPipeline:
+    """Iterate to get ReadyBatch objects; hand each one's gradients back with `push`.
+
+    `make_client` builds a fresh `EmbeddingWorkerClient` (one per thread). `skip` batches at the
+    start of `batches` are read and dropped (resuming mid-epoch). Always `close()` (or use `with`).
+    """
+
+    def __init__(self, batches: Iterable[Batch], make_client: Callable[[], EmbeddingWorkerClient],
+                 tau: int, skip: int = 0):
+        if not isinstance(tau, int) or tau < 0:
+            raise ValueError(f"tau must be an int >= 0, got {tau!r}")
+        self.tau = tau
+        self._batches = batches
+        self._skip = skip
+        self._feeder_client = make_client()
+        self._pusher_client = make_client()
+        self._ready: queue.Queue = queue.Queue(maxsize=tau + 1)
+        self._pushes: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._handed = 0  # batches given to the dense step (in order)
+        self._acked = 0  # of those, batches whose update the PS acknowledged (pushes run in order)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.staleness: list[int] = []
+        self.lost_batches = 0  # pulls or pushes of batches the embedding worker no longer held
+        self.dropped_updates = 0  # updates of keys the PS no longer held (evicted, not admitted)
+        self._feeder = threading.Thread(target=self._guard, args=(self._feed,), name="emb-feeder", daemon=True)
+        self._pusher = threading.Thread(target=self._guard, args=(self._push_loop,), name="emb-pusher", daemon=True)
+        self._feeder.start()
+        self._pusher.start()
+
+    # ------------------------------------------------------------------ threads
+    def _guard(self, body: Callable[[], None]) -> None:
+        try:
+            body()
+        except BaseException as error:  # handed to the main thread at its next call
+            self._error = self._error or error
+            self._stop.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _offer(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _feed(self) -> None:
+        client = self._feeder_client
+        looked_up = 0
+        for index, batch in enumerate(self._batches):
+            if self._stop.is_set():
+                return
+            if index < self._skip:
+                continue
+            first = client.put(batch.sparse)
+            with self._cond:  # bounded staleness: wait for the updates of batches <= looked_up-1-tau
+                while looked_up - self._acked > self.tau and not self._stop.is_set():
+                    self._cond.wait(_POLL)
+                staleness = looked_up - self._acked
+            if self._stop.is_set():
+                return
+            pulled = client.pull(first, train=True)
+            if pulled is None:
+                self.lost_batches += 1
+                continue
+            looked_up += 1
+            if not self._offer(ReadyBatch(index, batch, first, pulled, staleness)):
+                return
+        self._offer(_END)
+
+    def _push_loop(self) -> None:
+        client = self._pusher_client
+        while True:
+            try:
+                item = self._pushes.get(timeout=_POLL)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            if item is _END:
+                return
+            first, deep_grad, wide_grad = item
+            if first is not None:
+                reply = client.push(first, deep_grad, wide_grad)
+                self.lost_batches += bool(reply.get("lost"))
+                self.dropped_updates += int(reply.get("dropped", 0))
+            with self._cond:
+                self._acked += 1
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ main thread
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"embedding pipeline failed: {self._error}") from self._error
+
+    def __iter__(self) -> Iterator[ReadyBatch]:
+        while True:
+            try:
+                item = self._ready.get(timeout=_POLL)
+            except queue.Empty:
+                self._raise_if_failed()
+                continue
+            if item is _END:
+                return
+            self.staleness.append(item.staleness)
+            self._handed += 1
+            yield item
+
+    def push(self, ready: ReadyBatch, deep_grad: np.ndarray | None, wide_grad: np.ndarray | None) -> None:
+        """Queue the gradients of `ready`'s embeddings (sent in order, in the background)."""
+        self._raise_if_failed()
+        self._pushes.put((ready.first_sample_id, deep_grad, wide_grad))
+
+    def skip(self, ready: ReadyBatch) -> None:
+        """`ready` will not be trained (e.g. another rank ran out of data): count it as done."""
+        self._pushes.put((None, None, None))
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every queued update was acknowledged by the PS."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._acked >= self._handed or self._stop.is_set(), timeout)
+        self._raise_if_failed()
+        if not ok:
+            raise TimeoutError(f"embedding updates still unacknowledged after {timeout}s")
+
+    def stats(self) -> dict:
+        s = np.asarray(self.staleness or [0])
+        return {"max_staleness": int(s.max()), "mean_staleness": float(s.mean()),
+                "lost_batches": self.lost_batches, "dropped_updates": self.dropped_updates,
+                "bytes_sent": self._feeder_client.bytes_sent + self._pusher_client.bytes_sent,
+                "bytes_received": self._feeder_client.bytes_received + self._pusher_client.bytes_received}
+
+    def close(self) -> None:
+        """Stop both threads (queued updates are sent first) and close the connections."""
+        self._pushes.put(_END)
+        self._pusher.join()
+        self._stop.set()
+        self._feeder.join()
+        self._feeder_client.close()
+        self._pusher_client.close()
+
+    def __enter__(self) -> "EmbeddingPipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
