@@ -15,6 +15,7 @@ BENCHMARKS = {
     "e2e": ("hybridrec.benchmarks.e2e", "DLRM end-to-end training samples/s vs torch and TorchRec"),
     "reader": ("hybridrec.benchmarks.reader", "Criteo TSV reader rows/s vs pandas.read_csv"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
+    "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),
 }
 
 
