@@ -62,8 +62,10 @@ class _Job:
 
     def embedding_client(self) -> EmbeddingWorkerClient:
         s = self.cfg.strategy
+        # an embedding worker's answer may wait for its own PS retries: give it that long
         return EmbeddingWorkerClient(self.ew_addresses, self.rank % len(self.ew_addresses), id_codec=s.id_codec,
-                                     value_codec=s.value_codec, timeout=s.request_timeout, retries=s.retries)
+                                     value_codec=s.value_codec, timeout=s.request_timeout * (s.retries + 2),
+                                     retries=s.retries)
 
     def logits(self, module, deep, wide, batch) -> torch.Tensor:
         device = model_device(self.model)
@@ -111,7 +113,7 @@ def evaluate(job: _Job) -> dict:
 def _save(job: _Job, progress: dict, pipeline: EmbeddingPipeline | None) -> None:
     """Every rank's updates acknowledged, then rank 0 writes the checkpoint (PS tables included)."""
     if pipeline is not None:
-        pipeline.drain(job.cfg.strategy.request_timeout * (effective_tau(job.cfg) + 2))
+        pipeline.drain(drain_seconds(job.cfg))
     positions = [None] * job.world
     dist.all_gather_object(positions, progress["next_batch"])
     dist.barrier()
@@ -154,6 +156,12 @@ def effective_tau(cfg: JobConfig) -> int:
     return 0 if cfg.strategy.discipline == "sync" else cfg.strategy.tau
 
 
+def drain_seconds(cfg: JobConfig) -> float:
+    """How long the updates in flight may take: each push may wait out its PS retries."""
+    s = cfg.strategy
+    return s.request_timeout * (s.retries + 2) * (effective_tau(cfg) + 2)
+
+
 def _all_have(flag: bool) -> bool:
     have = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
@@ -171,7 +179,8 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
     done = max_steps is not None and progress["step"] >= max_steps
     train_seconds, samples_this_run = 0.0, 0
     staleness: list[int] = []
-    wire = {"bytes_sent": 0, "bytes_received": 0, "lost_batches": 0, "dropped_updates": 0}
+    wire = {"bytes_sent": 0, "bytes_received": 0, "lost_batches": 0, "dropped_updates": 0,
+            "unacknowledged_updates": 0}
     out_dir = Path(cfg.train.output_dir)
     # the launcher prefixes log lines, which a progress bar's carriage returns would garble
     reporter = Reporter(out_dir, cfg.train.model_copy(update={"progress": False}), resumed_step=progress["step"],
@@ -230,7 +239,7 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                         done = True
                         break
                     tick = time.perf_counter()
-                pipeline.drain(cfg.strategy.request_timeout * (effective_tau(cfg) + 2))
+                pipeline.drain(drain_seconds(cfg))
             finally:
                 pipeline.close()
                 staleness.extend(pipeline.staleness)
@@ -257,6 +266,7 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                                        if total_samples else None),
                   "lost_batches": sum(f["lost_batches"] for f in facts),
                   "dropped_updates": sum(f["dropped_updates"] for f in facts),
+                  "unacknowledged_updates": sum(f["unacknowledged_updates"] for f in facts),
                   "best_auc": job.sources.best_auc}
         if reporter is not None:
             reporter.final(progress["step"], result)

@@ -64,6 +64,7 @@ class EmbeddingPipeline:
         self.staleness: list[int] = []
         self.lost_batches = 0  # pulls or pushes of batches the embedding worker no longer held
         self.dropped_updates = 0  # updates of keys the PS no longer held (evicted, not admitted)
+        self.unacknowledged_updates = 0  # pushes a PS shard died under (not retried, maybe not applied)
         self._feeder = threading.Thread(target=self._guard, args=(self._feed,), name="emb-feeder", daemon=True)
         self._pusher = threading.Thread(target=self._guard, args=(self._push_loop,), name="emb-pusher", daemon=True)
         self._feeder.start()
@@ -128,6 +129,7 @@ class EmbeddingPipeline:
                 reply = client.push(first, deep_grad, wide_grad)
                 self.lost_batches += bool(reply.get("lost"))
                 self.dropped_updates += int(reply.get("dropped", 0))
+                self.unacknowledged_updates += bool(reply.get("unacknowledged"))
             with self._cond:
                 self._acked += 1
                 self._cond.notify_all()
@@ -171,6 +173,7 @@ class EmbeddingPipeline:
         s = np.asarray(self.staleness or [0])
         return {"max_staleness": int(s.max()), "mean_staleness": float(s.mean()),
                 "lost_batches": self.lost_batches, "dropped_updates": self.dropped_updates,
+                "unacknowledged_updates": self.unacknowledged_updates,
                 "bytes_sent": self._feeder_client.bytes_sent + self._pusher_client.bytes_sent,
                 "bytes_received": self._feeder_client.bytes_received + self._pusher_client.bytes_received}
 

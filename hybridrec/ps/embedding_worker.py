@@ -12,7 +12,9 @@ Persia §4.1 steps (1)-(7):
         IDs, sums equal ones and pushes them to the PS, where the fused optimizer applies them;
         the batch leaves the buffer.
 The worker keeps no state across restarts: batches buffered when it dies are lost; a pull or
-push of a lost batch is answered with `lost: true` and counted, as Persia does. The buffer
+push of a lost batch is answered with `lost: true` and counted, as Persia does. Lookups to a PS
+shard that died are retried until it is back (restarted on its shared memory); a push it did
+not acknowledge is not retried (it may have been applied) and is counted as unacknowledged. The buffer
 holds at most `max_buffered` batches; older ones are dropped and counted.
 
 Run one with `hybridrec embedding-worker CONFIG --rank 0 --ps tcp://127.0.0.1:7001,...`.
@@ -85,7 +87,7 @@ class EmbeddingWorker(Service):
         self._lock = threading.Lock()
         self._next_sample = 0
         self.counters = {"puts": 0, "pulls": 0, "pushes": 0, "dropped_batches": 0, "lost_pulls": 0,
-                         "lost_pushes": 0, "dropped_updates": 0}
+                         "lost_pushes": 0, "dropped_updates": 0, "unacknowledged_pushes": 0}
         self._pooling = {name: cfg.pooling for name, cfg in tables.all_tables().items()}
         self._dims = {name: cfg.dim for name, cfg in tables.all_tables().items()}
         operations = {
@@ -215,7 +217,13 @@ class EmbeddingWorker(Service):
             if self._buffer.pop(first, None) is None:
                 self.counters["lost_pushes"] += 1
                 return Message("push", meta={"lost": True, "dropped": 0})
-        dropped = self._client().push_tables(grads)
+        try:
+            dropped = self._client().push_tables(grads)
+        except TimeoutError:
+            # a PS shard died mid-push: pushes are not retried (one may have been applied before the
+            # crash), so this batch's update is lost on that shard, as asynchronous training allows
+            self._count("unacknowledged_pushes")
+            return Message("push", meta={"lost": False, "dropped": 0, "unacknowledged": True})
         with self._lock:
             self.counters["pushes"] += 1
             self.counters["dropped_updates"] += int(dropped)
