@@ -1,0 +1,99 @@
+"""EmbeddingPipeline against real PS servers and an embedding worker: staleness never exceeds tau
+(and reaches it when the dense step is the bottleneck); tau = 0 sees every earlier update."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.config import parse_config
+from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
+from hybridrec.parallel.pipeline import EmbeddingPipeline
+from hybridrec.parallel.tables import job_tables
+from hybridrec.ps.embedding_worker import EmbeddingWorker
+from hybridrec.ps.server import serve
+from hybridrec.train.data import build_sources
+from hybridrec.train.recmodel import RecModel
+
+CONFIG = {
+    "strategy": {"name": "persia"},
+    "data": {"format": "synthetic", "batch_size": 32,
+             "synthetic": {"n_categorical": 4, "n_dense": 1, "vocab_size": 20, "train_rows": 640, "test_rows": 32}},
+    "model": {"name": "deepfm", "embedding_dim": 4, "hparams": {"hidden": [8]}},
+    "embedding": {"default": {"capacity": 1000, "optimizer": {"name": "sgd", "lr": 0.5}}},
+}
+
+
+@pytest.fixture
+def job():
+    cfg = parse_config(CONFIG)
+    tables = job_tables(cfg)
+    servers = [serve(tables=tables.all_tables(), block=False) for _ in range(2)]
+    worker = EmbeddingWorker(tables, [s.address for s in servers], rank=0)
+    worker.start()
+    try:
+        yield cfg, lambda: EmbeddingWorkerClient([worker.address], 0)
+    finally:
+        worker.stop()
+        for server in servers:
+            server.stop()
+
+
+def batches(cfg):
+    return build_sources(cfg.data, cfg.seed, with_best_auc=False).train
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_staleness_never_exceeds_tau_and_reaches_it_when_the_dense_step_is_slow(job, tau):
+    cfg, make_client = job
+    with EmbeddingPipeline(batches(cfg), make_client, tau) as pipeline:
+        for ready in pipeline:
+            time.sleep(0.01)  # a dense step much slower than a lookup
+            pipeline.push(ready, np.zeros_like(ready.embeddings.deep), np.zeros_like(ready.embeddings.wide))
+        pipeline.drain(60)
+    assert len(pipeline.staleness) == 20
+    assert max(pipeline.staleness) == tau
+    assert pipeline.staleness[0] == 0
+
+
+@pytest.mark.parametrize("tau", [0, 2])
+def test_tau_zero_sees_every_earlier_update_and_tau_two_does_not(job, tau):
+    cfg, make_client = job
+    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
+    local = RecModel(cfg, sources.sparse_names, sources.num_dense, 1)  # the synchronous reference
+    generator = torch.Generator().manual_seed(1)
+    largest_gap = 0.0
+    with EmbeddingPipeline(sources.train, make_client, tau) as pipeline:
+        for ready, batch in zip(pipeline, batches(cfg)):
+            assert ready.batch.sample_ids.tolist() == batch.sample_ids.tolist()
+            deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
+            wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
+            largest_gap = max(largest_gap, float(np.abs(ready.embeddings.deep - deep.detach().numpy()).max()))
+            grad_deep, grad_wide = torch.randn(deep.shape, generator=generator), torch.randn(wide.shape, generator=generator)
+            ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()
+            time.sleep(0.005)
+            pipeline.push(ready, grad_deep.numpy(), grad_wide.numpy())
+        pipeline.drain(60)
+    if tau == 0:
+        assert largest_gap < 1e-5
+    else:
+        assert largest_gap > 1e-3  # some lookups ran ahead of earlier updates
+
+
+def test_a_failing_pipeline_raises_in_the_training_thread(job):
+    cfg, make_client = job
+    pipeline = EmbeddingPipeline(batches(cfg), make_client, 1)
+    try:
+        ready = next(iter(pipeline))
+        pipeline.push(ready, np.zeros((1, 1, 1), np.float32), None)  # wrong shape: the worker refuses it
+        with pytest.raises(RuntimeError, match="embedding pipeline failed"):
+            pipeline.drain(60)
+    finally:
+        pipeline.close()
+
+
+def test_tau_must_be_a_non_negative_int(job):
+    cfg, make_client = job
+    with pytest.raises(ValueError, match="tau"):
+        EmbeddingPipeline(batches(cfg), make_client, -1)
