@@ -147,7 +147,7 @@ def test_ps_killed_with_sigkill_is_restarted_and_training_completes(tmp_path):
 
 def test_nn_worker_failure_restarts_the_group_from_the_last_checkpoint(tmp_path):
     config, log = write_config(tmp_path, checkpoint_every=10), tmp_path / "launch.log"
-    process = start_launch(config, log, "--max-restarts", "1")
+    process = start_launch(config, log, "--max-restarts", "3")
     latest = tmp_path / "run" / "checkpoints" / "latest"
     wait_for(lambda: latest.is_file() and trained_steps(tmp_path / "run") >= 25, JOB_SECONDS,
              "a checkpoint and 25 steps", log)

@@ -17,8 +17,11 @@ and each rank's position in its data; a restarted worker group (torchrun --max-r
 from __future__ import annotations
 
 import argparse
+import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -278,6 +281,24 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
         job.ps.close()
 
 
+def join_process_group(backend: str) -> None:
+    """`init_process_group` for a worker started by torchrun, in a key space of its own per restart.
+
+    With torchrun's default env:// rendezvous, a worker group restarted after a failure
+    (--max-restarts) failed here to connect its gloo pairs or hung in init (torch 2.13: the same
+    happens with a ten-line script). Joining through the agent's store under a prefix named after
+    the restart count works every time, so that is what NN workers do.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)  # not under a torchrun agent: the usual env:// setup
+        return
+    timeout = datetime.timedelta(minutes=10)  # how long a collective may wait for a slow rank
+    world = int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+    store = dist.PrefixStore(f"hybridrec/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridrec.parallel.nn_worker", description=__doc__.split("\n")[0])
     parser.add_argument("config")
@@ -288,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     again.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     cfg = load_config(args.config, args.set)
     if cfg.strategy.name != "persia":
         parser.error(f"{args.config}: strategy.name is {cfg.strategy.name!r}; NN workers run 'persia' jobs "
@@ -305,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     # DDP warns that the multi-task head's [T, H, 1] weight gets a gradient whose strides differ
     # from its bucket's in a size-1 dimension: the same memory order, nothing to fix
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    dist.init_process_group(backend)
+    join_process_group(backend)
     try:
         result = train(cfg, [a for a in args.ps.split(",") if a], [a for a in args.embedding_workers.split(",") if a],
                        resume=args.resume, overwrite=args.overwrite)

@@ -15,7 +15,8 @@ torchrun roles; tests use small Python scripts). The contract:
 * SIGINT / SIGTERM to this process (when `run` is called on the main thread), or `timeout`,
   end the job too. Every way out — including an exception in the supervisor itself — goes
   through `teardown`: SIGTERM to every role's process group, up to `grace` seconds, then
-  SIGKILL to what is left.
+  SIGKILL to what is left. Roles also get SIGTERM from the kernel if the supervisor itself is
+  killed with SIGKILL (PR_SET_PDEATHSIG), so no role outlives it.
 """
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 # exit codes of `Supervisor.run`
 OK, FAILED, TIMED_OUT, INTERRUPTED = 0, 1, 124, 130
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+try:  # loaded here: the child may only make a plain C call between fork and exec
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except (ImportError, OSError):
+    _LIBC = None
+
+
+def _die_with_supervisor() -> None:
+    """Run in each role between fork and exec: the kernel sends it SIGTERM when the supervisor
+    dies, even by SIGKILL, when no teardown can run (Linux; elsewhere a no-op)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -147,7 +163,8 @@ class Supervisor:
         env = dict(os.environ if role.env is None else role.env)
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach us as they are printed
         process = subprocess.Popen(list(role.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=_die_with_supervisor)
         running = _Running(role, process)
         running.reader = threading.Thread(target=self._pump, args=(running,), daemon=True,
                                           name=f"{self.prefix}-{role.name}")
