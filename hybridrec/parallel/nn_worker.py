@@ -251,6 +251,10 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                         wire[key] += value
             if not done:
                 progress.update(epoch=epoch + 1, next_batch=0)
+        if progress["step"] == 0:
+            raise ValueError(f"rank {job.rank} of {job.world}: no training step was taken; some rank got no "
+                             "training batch (the rows are dealt to ranks in blocks, so a small data set may leave "
+                             "a rank with none): use more rows or fewer NN workers")
         _save(job, progress, None)
         metrics = evaluate(job)
         facts = [None] * job.world
