@@ -8,6 +8,7 @@ import torch
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.config import parse_config
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
+from hybridrec.parallel.embedding_inputs import EmbeddingInputs
 from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.embedding_worker import EmbeddingWorker, worker_of
 from hybridrec.ps.server import serve
@@ -27,14 +28,16 @@ CONFIG = {
 }
 
 
-@pytest.fixture
-def job():
-    cfg = parse_config(CONFIG)
+@pytest.fixture(params=["unique", "none"])
+def job(request):
+    """A 2-shard job whose embedding worker sends unique rows (id codec "unique") or pooled rows."""
+    cfg = parse_config({**CONFIG, "strategy": {"name": "persia", "id_codec": request.param}})
     tables = job_tables(cfg)
     servers = [serve(tables=tables.all_tables(), block=False) for _ in range(2)]
-    worker = EmbeddingWorker(tables, [s.address for s in servers], rank=5, max_buffered=3)
+    worker = EmbeddingWorker(tables, [s.address for s in servers], rank=5, max_buffered=3,
+                             id_codec=request.param)
     worker.start()
-    client = EmbeddingWorkerClient([worker.address] * 6, put_to=5)
+    client = EmbeddingWorkerClient([worker.address] * 6, put_to=5, id_codec=request.param)
     try:
         yield cfg, tables, worker, client
     finally:
@@ -59,14 +62,28 @@ def test_pull_and_push_equal_the_local_collection_step_by_step(job):
         deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
         wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
         first = client.put(batch.sparse)
-        pulled = client.pull(first)
-        np.testing.assert_allclose(pulled.deep, deep.detach().numpy(), rtol=0, atol=1e-6, err_msg=f"step {step}")
-        np.testing.assert_allclose(pulled.wide, wide.detach().numpy(), rtol=0, atol=1e-6, err_msg=f"step {step}")
+        inputs = EmbeddingInputs(client.pull(first), batch.sparse, tables, requires_grad=True)
+        np.testing.assert_allclose(inputs.deep.detach(), deep.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(inputs.wide.detach(), wide.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
         grad_deep = torch.randn(deep.shape, generator=generator)
         grad_wide = torch.randn(wide.shape, generator=generator)
         ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()  # local optimizers run here
-        reply = client.push(first, grad_deep.numpy(), grad_wide.numpy())
+        ((inputs.deep * grad_deep).sum() + (inputs.wide * grad_wide).sum()).backward()
+        reply = client.push(first, inputs.gradients())
         assert reply == {"lost": False, "dropped": 0}
+
+
+def test_unique_rows_carry_each_key_once(job):
+    cfg, tables, _, client = job
+    batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
+    pulled = client.pull(client.put(batch.sparse))
+    if client.id_codec.name == "none":
+        assert pulled.layout == "pooled" and pulled.parts["deep"].shape == (batch.batch_size, 5 * 4)
+        return
+    assert pulled.layout == "unique" and set(pulled.parts) == set(tables.all_tables())
+    c1, _ = batch.sparse.feature("C1")
+    c2, _ = batch.sparse.feature("C2")
+    assert len(pulled.parts["both"]) == len(np.unique(np.concatenate([c1, c2])))  # the shared table
 
 
 def test_sample_ids_start_with_the_rank_and_do_not_overlap(job):
@@ -82,10 +99,10 @@ def test_lost_and_dropped_batches_are_counted_not_fatal(job):
     batches = list(zip(range(5), build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
     ids = [client.put(batch.sparse) for _, batch in batches]  # the buffer holds 3: the first 2 drop
     assert client.pull(ids[0]) is None
-    grads = client.pull(ids[4])
-    assert client.push(ids[0], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is True
-    assert client.push(ids[4], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is False
-    assert client.push(ids[4], np.zeros_like(grads.deep), np.zeros_like(grads.wide))["lost"] is True  # gone
+    zeros = {name: np.zeros_like(part) for name, part in client.pull(ids[4]).parts.items()}
+    assert client.push(ids[0], zeros)["lost"] is True
+    assert client.push(ids[4], zeros)["lost"] is False
+    assert client.push(ids[4], zeros)["lost"] is True  # gone
     stats = client.stats()[5]
     assert stats["dropped_batches"] == 2 and stats["lost_pulls"] == 1 and stats["lost_pushes"] == 2
     assert stats["buffered"] == 2
@@ -96,7 +113,7 @@ def test_evaluation_pulls_do_not_insert_and_leave_the_buffer(job):
     batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).test))
     first = client.put(batch.sparse)
     pulled = client.pull(first, train=False)
-    assert not pulled.deep.any() and not pulled.wide.any()  # unseen keys read as zeros, not initialised
+    assert not any(part.any() for part in pulled.parts.values())  # unseen keys read as zeros, not initialised
     assert client.stats()[5]["buffered"] == 0
 
 
@@ -110,13 +127,16 @@ def test_malformed_requests_get_errors_and_the_worker_keeps_serving(job):
             raw.request("pull", meta={"first_sample_id": "seven"})
         batch = next(iter(build_sources(cfg.data, cfg.seed, with_best_auc=False).train))
         first = client.put(batch.sparse)
-        pulled = client.pull(first)
+        parts = client.pull(first).parts
+        name = sorted(parts)[0]
         with pytest.raises(RemoteError, match="shape"):
-            client.push(first, pulled.deep[:, :2], pulled.wide)
+            client.push(first, {**parts, name: parts[name][:, :1].copy()})
         with pytest.raises(RemoteError, match="NaN"):
-            client.push(first, np.full_like(pulled.deep, np.nan), pulled.wide)
+            client.push(first, {**parts, name: np.full_like(parts[name], np.nan)})
+        with pytest.raises(RemoteError, match="lacks"):
+            client.push(first, {n: p for n, p in parts.items() if n != name})
         # the rejected pushes changed nothing and the batch is still there
-        assert client.push(first, np.zeros_like(pulled.deep), np.zeros_like(pulled.wide))["lost"] is False
+        assert client.push(first, {n: np.zeros_like(p) for n, p in parts.items()})["lost"] is False
     finally:
         raw.close()
 

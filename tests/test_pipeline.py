@@ -9,6 +9,7 @@ import torch
 
 from hybridrec.config import parse_config
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
+from hybridrec.parallel.embedding_inputs import EmbeddingInputs
 from hybridrec.parallel.pipeline import EmbeddingPipeline
 from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.embedding_worker import EmbeddingWorker
@@ -50,7 +51,7 @@ def test_staleness_never_exceeds_tau_and_reaches_it_when_the_dense_step_is_slow(
     with EmbeddingPipeline(batches(cfg), make_client, tau) as pipeline:
         for ready in pipeline:
             time.sleep(0.01)  # a dense step much slower than a lookup
-            pipeline.push(ready, np.zeros_like(ready.embeddings.deep), np.zeros_like(ready.embeddings.wide))
+            pipeline.push(ready, {name: np.zeros_like(part) for name, part in ready.embeddings.parts.items()})
         pipeline.drain(60)
     assert len(pipeline.staleness) == 20
     assert max(pipeline.staleness) == tau
@@ -60,6 +61,7 @@ def test_staleness_never_exceeds_tau_and_reaches_it_when_the_dense_step_is_slow(
 @pytest.mark.parametrize("tau", [0, 2])
 def test_tau_zero_sees_every_earlier_update_and_tau_two_does_not(job, tau):
     cfg, make_client = job
+    tables = job_tables(cfg)
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     local = RecModel(cfg, sources.sparse_names, sources.num_dense, 1)  # the synchronous reference
     generator = torch.Generator().manual_seed(1)
@@ -69,11 +71,13 @@ def test_tau_zero_sees_every_earlier_update_and_tau_two_does_not(job, tau):
             assert ready.batch.sample_ids.tolist() == batch.sample_ids.tolist()
             deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
             wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
-            largest_gap = max(largest_gap, float(np.abs(ready.embeddings.deep - deep.detach().numpy()).max()))
+            inputs = EmbeddingInputs(ready.embeddings, batch.sparse, tables, requires_grad=True)
+            largest_gap = max(largest_gap, float((inputs.deep - deep).abs().max().detach()))
             grad_deep, grad_wide = torch.randn(deep.shape, generator=generator), torch.randn(wide.shape, generator=generator)
             ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()
+            ((inputs.deep * grad_deep).sum() + (inputs.wide * grad_wide).sum()).backward()
             time.sleep(0.005)
-            pipeline.push(ready, grad_deep.numpy(), grad_wide.numpy())
+            pipeline.push(ready, inputs.gradients())
         pipeline.drain(60)
     if tau == 0:
         assert largest_gap < 1e-5
@@ -86,7 +90,7 @@ def test_a_failing_pipeline_raises_in_the_training_thread(job):
     pipeline = EmbeddingPipeline(batches(cfg), make_client, 1)
     try:
         ready = next(iter(pipeline))
-        pipeline.push(ready, np.zeros((1, 1, 1), np.float32), None)  # wrong shape: the worker refuses it
+        pipeline.push(ready, {"C1": np.zeros((1, 1), np.float32)})  # wrong parts: the worker refuses them
         with pytest.raises(RuntimeError, match="embedding pipeline failed"):
             pipeline.drain(60)
     finally:

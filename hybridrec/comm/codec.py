@@ -434,3 +434,32 @@ def without_prefix(arrays: dict[str, np.ndarray], prefix: str, described: Any) -
     if not isinstance(meta, dict):
         raise ValueError(f"meta of {prefix!r} must be a JSON object, got {meta!r}")
     return Encoded(described["codec"], own, meta)
+
+
+NARROW_ROW_BLOCK = 16  # rows narrower than half this travel in blocks of this many values
+
+
+def encode_rows(codec: RawValueCodec | Fp16BlockCodec, rows: np.ndarray, argument: str = "rows") -> Encoded:
+    """`codec.encode` for rows of any width: rows narrower than 8 values (the dim-1 wide
+    weights) are cut into blocks of 16 values first, so fp16 carries one scale per 16 values
+    instead of one per value. `decode_rows` restores the shape."""
+    rows = _check_rows(rows, argument)
+    n, dim = rows.shape
+    if codec.name != "none" and dim < NARROW_ROW_BLOCK // 2:
+        flat = np.zeros(-(-rows.size // NARROW_ROW_BLOCK) * NARROW_ROW_BLOCK, np.float32)
+        flat[:rows.size] = rows.ravel()
+        rows = flat.reshape(-1, NARROW_ROW_BLOCK)
+    encoded = codec.encode(rows, argument)
+    return Encoded(encoded.codec, encoded.arrays, {**encoded.meta, "rows": [n, dim]})
+
+
+def decode_rows(codec: RawValueCodec | Fp16BlockCodec, encoded: Encoded) -> np.ndarray:
+    """The [n, dim] float32 rows `encode_rows` encoded."""
+    shape = encoded.meta.get("rows")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v >= 0 for v in shape)):
+        raise ValueError(f"encoded meta 'rows' must be [n, dim], got {shape!r}")
+    values = codec.decode(encoded)
+    n, dim = shape
+    if values.size < n * dim:
+        raise ValueError(f"encoded values hold {values.size} numbers, fewer than rows {shape} need")
+    return values.reshape(-1)[:n * dim].reshape(n, dim) if values.shape != (n, dim) else values

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridrec.comm.codec import make_id_codec, make_value_codec, with_prefix, without_prefix
+from hybridrec.comm.codec import decode_rows, encode_rows, make_id_codec, make_value_codec, with_prefix, without_prefix
 from hybridrec.comm.transport import Client, Message
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.ps.embedding_worker import worker_of
@@ -20,10 +20,14 @@ from hybridrec.ps.embedding_worker import worker_of
 
 @dataclass
 class Pulled:
-    """A batch's embeddings: deep [B, F, D] and wide [B, F] float32 (None when the model has none)."""
+    """What a pull brought back, decoded. `layout` "pooled": parts "deep" [B, F*D] and "wide"
+    [B, F] (as present); "unique": one part per table, the rows of its unique keys in the
+    batch's `BatchLayout` order."""
 
-    deep: np.ndarray | None
-    wide: np.ndarray | None
+    layout: str
+    parts: dict[str, np.ndarray]
+    batch_size: int
+    num_features: int
 
 
 class EmbeddingWorkerClient:
@@ -65,29 +69,23 @@ class EmbeddingWorkerClient:
         return int(reply.meta["first_sample_id"])
 
     def pull(self, first_sample_id: int, train: bool = True) -> Pulled | None:
-        """The batch's pooled embeddings, or None when its embedding worker lost it."""
+        """The batch's embeddings, or None when its embedding worker lost it."""
         reply = self._received(self._owner(first_sample_id).request(
             "pull", meta={"first_sample_id": first_sample_id, "train": train}, idempotent=True))
         if reply.meta.get("lost"):
             return None
-        shape = (int(reply.meta["batch_size"]), int(reply.meta["num_features"]))
-        sides = {}
-        for side in ("deep", "wide"):
-            if side in reply.meta:
-                values = self.value_codec.decode(without_prefix(reply.arrays, side, reply.meta[side]))
-                sides[side] = values.reshape(*shape, -1) if side == "deep" else values.reshape(shape)
-        deep, wide = sides.get("deep"), sides.get("wide")
-        return Pulled(deep, wide)
+        meta = reply.meta
+        names = [k for k in meta if isinstance(meta[k], dict) and "codec" in meta[k]]
+        parts = {name: decode_rows(self.value_codec, without_prefix(reply.arrays, name, meta[name])) for name in names}
+        return Pulled(str(meta["layout"]), parts, int(meta["batch_size"]), int(meta["num_features"]))
 
-    def push(self, first_sample_id: int, deep_grad: np.ndarray | None, wide_grad: np.ndarray | None) -> dict:
-        """Send the gradients of a pulled batch's embeddings; returns {lost, dropped}."""
+    def push(self, first_sample_id: int, grads: dict[str, np.ndarray]) -> dict:
+        """Send the gradients of a pulled batch's parts (same names and shapes); returns
+        {lost, dropped[, unacknowledged]}."""
         arrays, meta = {}, {"first_sample_id": first_sample_id}
-        for side, grad in (("deep", deep_grad), ("wide", wide_grad)):
-            if grad is None:
-                continue
-            rows = grad.reshape(grad.shape[0], -1) if side == "wide" else grad.reshape(-1, grad.shape[-1])
-            side_arrays, meta[side] = with_prefix(self.value_codec.encode(np.ascontiguousarray(rows), side), side)
-            arrays.update(side_arrays)
+        for name, grad in grads.items():
+            part_arrays, meta[name] = with_prefix(encode_rows(self.value_codec, np.ascontiguousarray(grad), name), name)
+            arrays.update(part_arrays)
         self._sent(arrays)
         reply = self._owner(first_sample_id).request("push", arrays, meta)  # not retried: it could apply twice
         return reply.meta

@@ -35,6 +35,7 @@ from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.models import build_model
 from hybridrec.parallel.dense_sync import make_dense, model_device
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
+from hybridrec.parallel.embedding_inputs import EmbeddingInputs
 from hybridrec.parallel.pipeline import EmbeddingPipeline
 from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.client import PSClient
@@ -76,12 +77,6 @@ class _Job:
         return module(None if deep is None else deep.to(device), None if wide is None else wide.to(device), dense)
 
 
-def _tensor(array: np.ndarray | None, grad: bool) -> torch.Tensor | None:
-    if array is None:
-        return None
-    return torch.from_numpy(np.array(array, dtype=np.float32)).requires_grad_(grad)
-
-
 @torch.no_grad()
 def evaluate(job: _Job) -> dict:
     """Exact test metrics: rank r scores test batches r, r+W, ...; rank 0 computes the metrics."""
@@ -97,7 +92,8 @@ def evaluate(job: _Job) -> dict:
             pulled = client.pull(client.put(batch.sparse), train=False)
             if pulled is None:
                 raise RuntimeError("evaluation: an embedding worker lost a test batch (was it restarted?)")
-            logits = job.logits(model, _tensor(pulled.deep, False), _tensor(pulled.wide, False), batch)
+            inputs = EmbeddingInputs(pulled, batch.sparse, job.tables, requires_grad=False)
+            logits = job.logits(model, inputs.deep, inputs.wide, batch)
             probs.append(torch.sigmoid(logits).cpu().numpy())
             labels.append(batch.labels)
     finally:
@@ -214,13 +210,11 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                         break
                     batch = ready.batch
                     job.dense.begin_step()
-                    deep = _tensor(ready.embeddings.deep, True)
-                    wide = _tensor(ready.embeddings.wide, True)
-                    logits = job.logits(job.dense.module, deep, wide, batch)
+                    inputs = EmbeddingInputs(ready.embeddings, batch.sparse, job.tables, requires_grad=True)
+                    logits = job.logits(job.dense.module, inputs.deep, inputs.wide, batch)
                     loss = loss_fn(logits, torch.from_numpy(batch.labels).to(logits.device))
                     loss.backward()
-                    pipeline.push(ready, None if deep is None else deep.grad.numpy(),
-                                  None if wide is None else wide.grad.numpy())
+                    pipeline.push(ready, inputs.gradients())
                     job.dense.finish_step()
                     train_seconds += time.perf_counter() - tick
                     samples_this_run += batch.batch_size

@@ -124,9 +124,9 @@ class EmbeddingPipeline:
                 continue
             if item is _END:
                 return
-            first, deep_grad, wide_grad = item
+            first, grads = item
             if first is not None:
-                reply = client.push(first, deep_grad, wide_grad)
+                reply = client.push(first, grads)
                 self.lost_batches += bool(reply.get("lost"))
                 self.dropped_updates += int(reply.get("dropped", 0))
                 self.unacknowledged_updates += bool(reply.get("unacknowledged"))
@@ -152,14 +152,14 @@ class EmbeddingPipeline:
             self._handed += 1
             yield item
 
-    def push(self, ready: ReadyBatch, deep_grad: np.ndarray | None, wide_grad: np.ndarray | None) -> None:
-        """Queue the gradients of `ready`'s embeddings (sent in order, in the background)."""
+    def push(self, ready: ReadyBatch, grads: dict[str, np.ndarray]) -> None:
+        """Queue the gradients of `ready`'s pulled parts (sent in order, in the background)."""
         self._raise_if_failed()
-        self._pushes.put((ready.first_sample_id, deep_grad, wide_grad))
+        self._pushes.put((ready.first_sample_id, grads))
 
     def skip(self, ready: ReadyBatch) -> None:
         """`ready` will not be trained (e.g. another rank ran out of data): count it as done."""
-        self._pushes.put((None, None, None))
+        self._pushes.put((None, {}))
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every queued update was acknowledged by the PS."""

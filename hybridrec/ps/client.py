@@ -98,6 +98,17 @@ def _sum_by_unique(grads, inverse, summed):
             summed[u, j] += grads[i, j]
 
 
+def first_seen_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique keys in order of first appearance, int64 index of each key among them).
+
+    Deterministic: two processes deduplicating the same keys agree on the order, so one can
+    send rows for the unique keys and the other map them back without sending the index."""
+    slots = np.full(1 << max(4, int(2 * len(keys)).bit_length()), _EMPTY, dtype=np.int64)
+    unique_keys = np.empty(len(keys), dtype=np.uint64)
+    inverse = np.empty(len(keys), dtype=np.int64)
+    return unique_keys[:_dedup(keys, slots, unique_keys, inverse)], inverse
+
+
 def shard_directory(directory: str | Path, shard: int, num_shards: int) -> Path:
     """Where shard `shard` of `num_shards` keeps its checkpoint inside `directory`."""
     return Path(directory) / f"shard-{shard:04d}-of-{num_shards:04d}"
@@ -185,10 +196,7 @@ class PSClient:
 
     def _route(self, table: str, keys: np.ndarray) -> "_Fanout":
         """Deduplicate `keys` and group the unique ones by shard."""
-        slots = np.full(1 << max(4, int(2 * len(keys)).bit_length()), _EMPTY, dtype=np.int64)
-        unique_keys = np.empty(len(keys), dtype=np.uint64)
-        inverse = np.empty(len(keys), dtype=np.int64)
-        unique_keys = unique_keys[:_dedup(keys, slots, unique_keys, inverse)]
+        unique_keys, inverse = first_seen_unique(keys)
         shard = route(unique_keys, table_route_id(table), self.num_shards)
         order = np.empty(len(unique_keys), dtype=np.int64)
         bounds = np.empty(self.num_shards + 1, dtype=np.int64)

@@ -5,12 +5,15 @@ Persia §4.1 steps (1)-(7):
         sample ids whose first byte is its rank (sample i of the batch = first + i), buffers the
         IDs under the first id and answers with it;
   pull  an NN worker asks for a buffered batch's embeddings: the worker deduplicates and routes
-        the IDs of every table to the PS shards (one request per shard for all tables), pools
-        per (sample, feature) and answers with [B, F, D] deep and [B, F] wide embeddings (the
-        job's value codec);
-  push  the NN worker sends the gradients of those embeddings: the worker maps them back to the
-        IDs, sums equal ones and pushes them to the PS, where the fused optimizer applies them;
-        the batch leaves the buffer.
+        the IDs of every table to the PS shards (one request per shard for all tables) and
+        answers, with the job's value codec, either the rows of each table's unique keys (the
+        lossless mode, `id_codec: unique`: the NN worker pools them itself, from the same
+        layout of the same IDs, so no index is sent) or pooled [B, F, D] deep and [B, F] wide
+        embeddings (`id_codec: none`, the baseline);
+  push  the NN worker sends the gradients of what it pulled: the worker maps them back to the
+        keys (pooled mode: through the pooling; unique mode: one row per key already), and
+        pushes them to the PS, where the fused optimizer applies them; the batch leaves the
+        buffer.
 The worker keeps no state across restarts: batches buffered when it dies are lost; a pull or
 push of a lost batch is answered with `lost: true` and counted, as Persia does. Lookups to a PS
 shard that died are retried until it is back (restarted on its shared memory); a push it did
@@ -26,18 +29,19 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from hybridrec.comm.codec import Encoded, make_id_codec, make_value_codec, with_prefix, without_prefix
+from hybridrec.comm.codec import (Encoded, decode_rows, encode_rows, make_id_codec, make_value_codec, with_prefix,
+                                  without_prefix)
 from hybridrec.comm.transport import Message, Operation, Server, Service
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.parallel.tables import JobTables
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.pooling import TableBags, pool, table_bags, unpool
+from hybridrec.ps.pooling import BatchLayout, batch_layout, unpool
 
 READY = "hybridrec-embedding-worker listening on "  # printed with the address once it serves
 SAMPLE_ID_RANK_SHIFT = 56  # a sample id's first byte is the embedding worker's rank
@@ -52,9 +56,7 @@ def worker_of(sample_id: int) -> int:
 @dataclass
 class _Buffered:
     features: JaggedFeatures
-    deep: list[TableBags] | None = None  # filled by the first pull, reused by the push
-    wide: list[TableBags] | None = None
-    pulled: bool = field(default=False)
+    layout: BatchLayout | None = None  # made by the first pull, reused by the push
 
 
 def _meta_int(meta: dict, name: str) -> int:
@@ -78,6 +80,8 @@ class EmbeddingWorker(Service):
         self.tables, self.rank = tables, rank
         self.ps_addresses = list(ps_addresses)
         self.id_codec = make_id_codec(id_codec)
+        # the lossless mode deduplicates the rows as well as the IDs: only unique rows travel
+        self.unique_rows = id_codec == "unique"
         self.value_codec = make_value_codec(value_codec)
         self._ps_options = dict(timeout=timeout, retries=retries, value_codec=value_codec)
         self._ps = threading.local()  # one PSClient per server thread (clients are not thread-safe)
@@ -90,6 +94,7 @@ class EmbeddingWorker(Service):
                          "lost_pushes": 0, "dropped_updates": 0, "unacknowledged_pushes": 0}
         self._pooling = {name: cfg.pooling for name, cfg in tables.all_tables().items()}
         self._dims = {name: cfg.dim for name, cfg in tables.all_tables().items()}
+        self._deep_dim = next((cfg.dim for cfg in tables.deep.values()), 0)
         operations = {
             "ping": Operation(self._ping),
             "put": Operation(self._put, arrays=None),
@@ -143,14 +148,11 @@ class EmbeddingWorker(Service):
             self.counters["puts"] += 1
         return Message("put", meta={"first_sample_id": first, "batch_size": batch})
 
-    def _bags(self, entry: _Buffered) -> tuple[list[TableBags], list[TableBags]]:
-        if entry.deep is None:
-            names = self.tables.sparse_names
-            entry.deep = (table_bags(entry.features, names, self.tables.deep_map, self._pooling)
-                          if self.tables.deep else [])
-            entry.wide = (table_bags(entry.features, names, self.tables.wide_map, self._pooling)
-                          if self.tables.wide else [])
-        return entry.deep, entry.wide
+    def _layout(self, entry: _Buffered) -> BatchLayout:
+        if entry.layout is None:
+            t = self.tables
+            entry.layout = batch_layout(entry.features, t.sparse_names, t.deep_map, t.wide_map, self._pooling)
+        return entry.layout
 
     def _pull(self, request: Message) -> Message:
         first = _meta_int(request.meta, "first_sample_id")
@@ -162,27 +164,53 @@ class EmbeddingWorker(Service):
         if entry is None:
             self._count("lost_pulls")
             return Message("pull", meta={"lost": True})
-        deep_bags, wide_bags = self._bags(entry)
-        keys = {bags.table: bags.keys for bags in deep_bags + wide_bags}
-        rows = self._client().lookup_tables(keys, insert=train)
-        batch, num_features = entry.features.batch_size, len(self.tables.sparse_names)
+        layout = self._layout(entry)
+        rows = self._client().lookup_tables(layout.unique, insert=train)
+        meta: dict[str, Any] = {"lost": False, "batch_size": layout.batch_size, "num_features": layout.num_features,
+                                "layout": "unique" if self.unique_rows else "pooled"}
+        if self.unique_rows:  # lossless: each unique row once; the NN worker pools (same layout, no index sent)
+            parts = {table: rows[table] for table in layout.tables()}
+        else:  # one pooled row per (sample, feature)
+            deep, wide = layout.assemble({t: torch.from_numpy(r) for t, r in rows.items()}, self._deep_dim)
+            parts = {side: value.reshape(layout.batch_size, -1).numpy()
+                     for side, value in (("deep", deep), ("wide", wide)) if value is not None}
         arrays: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"lost": False, "batch_size": batch, "num_features": num_features}
-        for side, bags_list, dim in (("deep", deep_bags, self._side_dim(deep_bags)),
-                                     ("wide", wide_bags, 1)):
-            if not bags_list:
-                continue
-            out = torch.zeros(batch, num_features, dim)
-            for bags in bags_list:
-                pool(bags, rows[bags.table], out)
-            values = out.view(batch, num_features * dim) if side == "wide" else out.view(batch * num_features, dim)
-            side_arrays, meta[side] = with_prefix(self.value_codec.encode(values.numpy(), side), side)
-            arrays.update(side_arrays)
+        for name, values in parts.items():
+            part_arrays, meta[name] = with_prefix(encode_rows(self.value_codec, values, name), name)
+            arrays.update(part_arrays)
         self._count("pulls")
         return Message("pull", arrays, meta)
 
-    def _side_dim(self, bags_list: list[TableBags]) -> int:
-        return self._dims[bags_list[0].table] if bags_list else 0
+    def _gradients(self, request: Message, layout: BatchLayout) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """(keys, gradient rows) per table from a push, every part checked before any is used."""
+        expected: dict[str, tuple[int, int]]
+        if self.unique_rows:
+            expected = {t: (len(layout.unique[t]), self._dims[t]) for t in layout.tables()}
+        else:
+            expected = {side: (layout.batch_size, layout.num_features * dim)
+                        for side, bags, dim in (("deep", layout.deep, self._deep_dim), ("wide", layout.wide, 1)) if bags}
+        values = {}
+        for name, shape in expected.items():
+            if name not in request.meta:
+                raise ValueError(f"push lacks the gradients of {name!r}")
+            encoded = without_prefix(request.arrays, name, request.meta[name])
+            if encoded.codec != self.value_codec.name:
+                raise ValueError(f"{name} gradients use codec {encoded.codec!r}; this job's value codec is "
+                                 f"{self.value_codec.name!r}")
+            grad = decode_rows(self.value_codec, encoded)
+            if grad.shape != shape:
+                raise ValueError(f"{name} gradients have shape {grad.shape}, expected {shape}")
+            if not np.isfinite(grad).all():
+                raise ValueError(f"{name} gradients hold NaN or inf; nothing was applied")
+            values[name] = np.ascontiguousarray(grad)
+        if self.unique_rows:
+            return {t: (layout.unique[t], values[t]) for t in layout.tables()}
+        grads = {}
+        for side, bags_list in (("deep", layout.deep), ("wide", layout.wide)):
+            if bags_list:
+                grad = torch.from_numpy(values[side]).view(layout.batch_size, layout.num_features, -1)
+                grads.update({bags.table: (bags.keys, unpool(bags, grad)) for bags in bags_list})
+        return grads
 
     def _push(self, request: Message) -> Message:
         first = _meta_int(request.meta, "first_sample_id")
@@ -191,28 +219,7 @@ class EmbeddingWorker(Service):
         if entry is None:
             self._count("lost_pushes")
             return Message("push", meta={"lost": True, "dropped": 0})
-        deep_bags, wide_bags = self._bags(entry)
-        batch, num_features = entry.features.batch_size, len(self.tables.sparse_names)
-        grads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for side, bags_list, dim in (("deep", deep_bags, self._side_dim(deep_bags)),
-                                     ("wide", wide_bags, 1)):
-            if not bags_list:
-                continue
-            if side not in request.meta:
-                raise ValueError(f"push of batch {first} lacks the {side!r} gradients")
-            encoded = without_prefix(request.arrays, side, request.meta[side])
-            if encoded.codec != self.value_codec.name:
-                raise ValueError(f"{side} gradients use codec {encoded.codec!r}; this job's value codec is "
-                                 f"{self.value_codec.name!r}")
-            values = self.value_codec.decode(encoded)
-            expected = (batch, num_features * dim) if side == "wide" else (batch * num_features, dim)
-            if values.shape != expected:
-                raise ValueError(f"{side} gradients have shape {values.shape}, expected {expected}")
-            if not np.isfinite(values).all():
-                raise ValueError(f"{side} gradients hold NaN or inf; nothing was applied")
-            grad = torch.from_numpy(np.ascontiguousarray(values)).view(batch, num_features, dim)
-            for bags in bags_list:
-                grads[bags.table] = (bags.keys, unpool(bags, grad))
+        grads = self._gradients(request, self._layout(entry))
         with self._lock:  # the batch leaves the buffer once its gradients are checked
             if self._buffer.pop(first, None) is None:
                 self.counters["lost_pushes"] += 1

@@ -1,10 +1,14 @@
-"""Pooling on the embedding worker: rows fetched from the PS -> one embedding per (sample, feature).
+"""Pooling of a batch's embedding rows into one embedding per (sample, feature), and back.
 
 For each table, the IDs of the features it serves are laid end to end (feature by feature,
-each feature sample-major, as in `JaggedFeatures`), so one PS fetch serves them all and one
-`index_add_` pools them into bags of (feature, sample). The backward pass is the same map read
-the other way: each ID's gradient is its bag's gradient times the bag's pooling scale (1 for
-sum, 1/n for mean, 1/sqrt(n) for sqrt-n, as `EmbeddingStore.pool` does locally). Torch ops only.
+each feature sample-major, as in `JaggedFeatures`) and deduplicated in order of first
+appearance (`BatchLayout`). Rows of the unique keys are pooled into bags of (feature, sample)
+with torch ops, so the pooling is differentiable: the embedding worker pools rows it fetched,
+and an NN worker that receives only the unique rows (the lossless wire mode) pools them itself
+and gets each unique row's gradient from autograd. `unpool` is the backward pass written out
+for the embedding worker: each ID's gradient is its bag's gradient times the bag's pooling
+scale (1 for sum, 1/n for mean, 1/sqrt(n) for sqrt-n, as `EmbeddingStore.pool` does locally).
+Both processes compute the same layout from the same IDs, so no index travels on the wire.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from hybridrec.data.batch import JaggedFeatures
+from hybridrec.ps.client import first_seen_unique
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,56 @@ def table_bags(features: JaggedFeatures, names: list[str], feature_to_table: Map
     return out
 
 
-def pool(bags: TableBags, rows: np.ndarray, out: torch.Tensor) -> None:
-    """Pool `rows` (one per key of `bags`) into out[:, column, :] of each of its features."""
+def pool(bags: TableBags, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Pool `rows` (one per key of `bags`) into out[:, column, :] of each of its features
+    (differentiable in `rows`)."""
     batch, _, dim = out.shape
-    pooled = torch.zeros(bags.bag_count, dim, dtype=torch.float32)
-    pooled.index_add_(0, bags.bag, torch.from_numpy(rows))
+    pooled = torch.zeros(bags.bag_count, dim, dtype=torch.float32).index_add(0, bags.bag, rows)
     if bags.scale is not None:
-        pooled.mul_(bags.scale.unsqueeze(1))
+        pooled = pooled * bags.scale.unsqueeze(1)
     out[:, bags.columns, :] = pooled.view(len(bags.columns), batch, dim).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where a batch's IDs go: per table its bags, unique keys and each key's unique index."""
+
+    batch_size: int
+    num_features: int
+    deep: list[TableBags]
+    wide: list[TableBags]
+    unique: dict[str, np.ndarray]  # table -> unique keys, first-seen order
+    inverse: dict[str, torch.Tensor]  # table -> int64 index into unique[table] of each key of its bags
+
+    def tables(self) -> list[str]:
+        return [bags.table for bags in self.deep + self.wide]
+
+    def assemble(self, rows: Mapping[str, torch.Tensor], deep_dim: int) -> tuple[torch.Tensor | None,
+                                                                                  torch.Tensor | None]:
+        """Deep [B, F, D] and wide [B, F] embeddings from the unique rows of each table."""
+        sides = []
+        for bags_list, dim in ((self.deep, deep_dim), (self.wide, 1)):
+            if not bags_list:
+                sides.append(None)
+                continue
+            out = torch.zeros(self.batch_size, self.num_features, dim)
+            for bags in bags_list:
+                pool(bags, rows[bags.table].index_select(0, self.inverse[bags.table]), out)
+            sides.append(out)
+        deep, wide = sides
+        return deep, None if wide is None else wide.squeeze(2)
+
+
+def batch_layout(features: JaggedFeatures, names: list[str], deep_map: Mapping[str, str],
+                 wide_map: Mapping[str, str], pooling: Mapping[str, str]) -> BatchLayout:
+    """The layout of `features` for the stacked columns `names` (empty maps: no such side)."""
+    deep = table_bags(features, names, deep_map, pooling) if deep_map else []
+    wide = table_bags(features, names, wide_map, pooling) if wide_map else []
+    unique, inverse = {}, {}
+    for bags in deep + wide:
+        unique[bags.table], index = first_seen_unique(bags.keys)
+        inverse[bags.table] = torch.from_numpy(index)
+    return BatchLayout(features.batch_size, len(names), deep, wide, unique, inverse)
 
 
 def unpool(bags: TableBags, grad: torch.Tensor) -> np.ndarray:
