@@ -41,7 +41,7 @@ from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.client import PSClient
 from hybridrec.train.checkpoint import latest_checkpoint, read_dense, read_progress, save_checkpoint
 from hybridrec.train.data import build_sources
-from hybridrec.train.loop import _open_checkpoint, seed_everything
+from hybridrec.train.loop import open_checkpoint, seed_everything
 from hybridrec.train.metrics import MetricAccumulator
 from hybridrec.train.recmodel import resolve_device
 from hybridrec.train.reporting import Reporter
@@ -128,7 +128,7 @@ def _restore(job: _Job, resume: bool, overwrite: bool) -> dict:
     """Fresh progress, or the newest checkpoint's (PS tables loaded by rank 0, dense by all)."""
     found = [None]
     if job.rank == 0:
-        checkpoint = _open_checkpoint(Path(job.cfg.train.output_dir), resume, overwrite)
+        checkpoint = open_checkpoint(Path(job.cfg.train.output_dir), resume, overwrite)
         found = [None if checkpoint is None else str(checkpoint)]
     dist.broadcast_object_list(found, src=0)
     progress = {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}

@@ -63,7 +63,7 @@ def evaluate(model: RecModel, source, label_names) -> dict:
     return acc.compute()
 
 
-def _open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
+def open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
     """The checkpoint to resume from (None for a fresh run); refuses to mix two runs in one dir
     unless `overwrite`, which deletes the old run's checkpoints."""
     if resume and overwrite:
@@ -105,7 +105,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     model.dense_model.to(resolve_device(cfg.train.device))
     optimizer = dense_optimizer(cfg, model.dense_model.parameters())
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
-    checkpoint = _open_checkpoint(out_dir, resume, overwrite)
+    checkpoint = open_checkpoint(out_dir, resume, overwrite)
     if checkpoint is not None:
         progress = load_training(checkpoint, model, optimizer, cfg)
     loss_fn = torch.nn.BCEWithLogitsLoss()
