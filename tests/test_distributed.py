@@ -19,6 +19,7 @@ LEARNT_GAP = 0.06  # how far below the planted model's test AUC a trained job ma
 
 
 def write_config(tmp_path: Path, **train) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = {
         "seed": 3,
         "data": {"format": "synthetic", "batch_size": 256,
@@ -37,9 +38,10 @@ def write_config(tmp_path: Path, **train) -> Path:
     return path
 
 
-def start_launch(config: Path, log: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", "2",
-               "--embedding-workers", "1", "--nn-workers", "2", "--overwrite", "--timeout", str(JOB_SECONDS), *extra]
+def start_launch(config: Path, log: Path, *extra: str, ps: int = 2, nn_workers: int = 2) -> subprocess.Popen:
+    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", str(ps),
+               "--embedding-workers", "1", "--nn-workers", str(nn_workers), "--overwrite", "--timeout", str(JOB_SECONDS),
+               *extra]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -128,6 +130,21 @@ def test_sync_discipline_never_reads_a_stale_embedding(tmp_path):
     assert code == 0, log.read_text()[-3000:]
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
     assert result["max_staleness"] == 0 and result["step"] == 20
+
+
+def test_the_lossless_wire_mode_trains_exactly_like_the_baseline(tmp_path):
+    """One NN worker, sync: the order of updates is fixed, so unique IDs + unique rows (NN-side
+    pooling) must give bit-identical metrics to int64 IDs + pooled fp32 rows, in fewer bytes."""
+    results = {}
+    for codec in ("none", "unique"):
+        config, log = write_config(tmp_path / codec, max_steps=30), tmp_path / f"{codec}.log"
+        code = finish(start_launch(config, log, "--set", "strategy.discipline=sync", "--set",
+                                   f"strategy.id_codec={codec}", ps=1, nn_workers=1), log)
+        assert code == 0, log.read_text()[-3000:]
+        results[codec] = json.loads((tmp_path / codec / "run" / "final_metrics.json").read_text())
+    assert results["unique"]["auc"] == results["none"]["auc"]
+    assert results["unique"]["logloss"] == results["none"]["logloss"]
+    assert results["unique"]["bytes_per_sample"] < results["none"]["bytes_per_sample"] / 2
 
 
 def test_ps_killed_with_sigkill_is_restarted_and_training_completes(tmp_path):
