@@ -9,7 +9,7 @@ import torch
 
 from hybridrec.config import parse_config
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
-from hybridrec.parallel.embedding_inputs import EmbeddingInputs, prepare_layout
+from hybridrec.parallel.embedding_inputs import EmbeddingInputs
 from hybridrec.parallel.pipeline import EmbeddingPipeline
 from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.embedding_worker import EmbeddingWorker
@@ -66,14 +66,12 @@ def test_tau_zero_sees_every_earlier_update_and_tau_two_does_not(job, tau):
     local = RecModel(cfg, sources.sparse_names, sources.num_dense, 1)  # the synchronous reference
     generator = torch.Generator().manual_seed(1)
     largest_gap = 0.0
-    # the layout is computed in the feeder thread, as NN workers do
-    with EmbeddingPipeline(sources.train, make_client, tau, prepare=prepare_layout(tables)) as pipeline:
+    with EmbeddingPipeline(sources.train, make_client, tau) as pipeline:
         for ready, batch in zip(pipeline, batches(cfg)):
             assert ready.batch.sample_ids.tolist() == batch.sample_ids.tolist()
             deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
             wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
-            assert ready.prepared is not None and ready.prepared.batch_size == batch.batch_size
-            inputs = EmbeddingInputs(ready.embeddings, batch.sparse, tables, requires_grad=True, layout=ready.prepared)
+            inputs = EmbeddingInputs(ready.embeddings, batch.sparse, tables, requires_grad=True)
             largest_gap = max(largest_gap, float((inputs.deep - deep).abs().max().detach()))
             grad_deep, grad_wide = torch.randn(deep.shape, generator=generator), torch.randn(wide.shape, generator=generator)
             ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()

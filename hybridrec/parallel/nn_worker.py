@@ -35,7 +35,7 @@ from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.models import build_model
 from hybridrec.parallel.dense_sync import make_dense, model_device
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
-from hybridrec.parallel.embedding_inputs import EmbeddingInputs, prepare_layout
+from hybridrec.parallel.embedding_inputs import EmbeddingInputs
 from hybridrec.parallel.pipeline import EmbeddingPipeline
 from hybridrec.parallel.tables import job_tables
 from hybridrec.ps.client import PSClient
@@ -196,9 +196,7 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
             if done:
                 break
             skip = progress["next_batch"] if epoch == progress["epoch"] else 0
-            # the layout of unique rows is computed in the feeder thread, off the dense step's path
-            pipeline = EmbeddingPipeline(job.sources.train, job.embedding_client, effective_tau(cfg), skip=skip,
-                                         prepare=prepare_layout(job.tables))
+            pipeline = EmbeddingPipeline(job.sources.train, job.embedding_client, effective_tau(cfg), skip=skip)
             try:
                 stream = iter(pipeline)
                 tick = time.perf_counter()
@@ -212,8 +210,9 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                         break
                     batch = ready.batch
                     job.dense.begin_step()
-                    inputs = EmbeddingInputs(ready.embeddings, batch.sparse, job.tables, requires_grad=True,
-                                             layout=ready.prepared)
+                    # torch work stays in this thread: torch ops in the feeder thread made the process
+                    # abort at exit now and then ("terminate called without an active exception")
+                    inputs = EmbeddingInputs(ready.embeddings, batch.sparse, job.tables, requires_grad=True)
                     logits = job.logits(job.dense.module, inputs.deep, inputs.wide, batch)
                     loss = loss_fn(logits, torch.from_numpy(batch.labels).to(logits.device))
                     loss.backward()

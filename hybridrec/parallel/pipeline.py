@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -36,26 +36,22 @@ class ReadyBatch:
     first_sample_id: int
     embeddings: Pulled
     staleness: int
-    prepared: Any = None  # what `prepare(batch, embeddings)` made in the feeder thread
 
 
 class EmbeddingPipeline:
     """Iterate to get ReadyBatch objects; hand each one's gradients back with `push`.
 
     `make_client` builds a fresh `EmbeddingWorkerClient` (one per thread). `skip` batches at the
-    start of `batches` are read and dropped (resuming mid-epoch). `prepare(batch, embeddings)`, if
-    given, runs in the feeder thread too (e.g. pooling unique rows), off the dense step's path.
-    Always `close()` (or use `with`).
+    start of `batches` are read and dropped (resuming mid-epoch). Always `close()` (or use `with`).
     """
 
     def __init__(self, batches: Iterable[Batch], make_client: Callable[[], EmbeddingWorkerClient],
-                 tau: int, skip: int = 0, prepare: Callable[[Batch, Pulled], Any] | None = None):
+                 tau: int, skip: int = 0):
         if not isinstance(tau, int) or tau < 0:
             raise ValueError(f"tau must be an int >= 0, got {tau!r}")
         self.tau = tau
         self._batches = batches
         self._skip = skip
-        self._prepare = prepare
         self._feeder_client = make_client()
         self._pusher_client = make_client()
         self._ready: queue.Queue = queue.Queue(maxsize=tau + 1)
@@ -113,8 +109,7 @@ class EmbeddingPipeline:
                 self.lost_batches += 1
                 continue
             looked_up += 1
-            prepared = self._prepare(batch, pulled) if self._prepare is not None else None
-            if not self._offer(ReadyBatch(index, batch, first, pulled, staleness, prepared)):
+            if not self._offer(ReadyBatch(index, batch, first, pulled, staleness)):
                 return
         self._offer(_END)
 
