@@ -1,6 +1,9 @@
 """Embedding worker: put/pull/push against real PS servers equals the local EmbeddingCollection;
 lost and dropped batches are counted, sample ids carry the rank, bad requests leave it serving."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -145,3 +148,17 @@ def test_rank_must_fit_in_a_byte():
     tables = job_tables(parse_config(CONFIG))
     with pytest.raises(ValueError, match="rank"):
         EmbeddingWorker(tables, ["tcp://127.0.0.1:1"], rank=256)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rank", "300", "--ps", "tcp://127.0.0.1:1"], "rank must be an int in \\[0, 255\\]"),
+    (["--rank", "0", "--ps", "127.0.0.1:1"], "--ps entry must look like 'tcp://host:port', got '127.0.0.1:1'"),
+    (["--rank", "0", "--ps", ","], "--ps must be a non-empty list"),
+])
+def test_the_command_line_refuses_bad_arguments_before_serving(argv, message, capsys):
+    from hybridrec.ps.embedding_worker import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), *argv])
+    assert stopped.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -136,6 +136,20 @@ def decode_frames(header: dict[str, Any], frames: Sequence[zmq.Frame | bytes]) -
     return Message(header["op"], arrays, header.get("meta", {}))
 
 
+def check_address(address: str, what: str = "address") -> str:
+    """`address` if it looks like 'tcp://host:port' (what ZeroMQ connects to), else ValueError."""
+    if not isinstance(address, str) or "://" not in address:
+        raise ValueError(f"{what} must look like 'tcp://host:port', got {address!r}")
+    return address
+
+
+def check_addresses(addresses, what: str = "addresses") -> list[str]:
+    """A non-empty list of 'tcp://host:port' addresses, each checked."""
+    if isinstance(addresses, str) or not addresses:
+        raise ValueError(f"{what} must be a non-empty list of 'tcp://host:port', got {addresses!r}")
+    return [check_address(a, f"{what} entry") for a in addresses]
+
+
 def _new_dealer(context: zmq.Context, address: str) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -153,8 +167,7 @@ class Client:
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 2,
                  context: zmq.Context | None = None):
-        if not isinstance(address, str) or "://" not in address:
-            raise ValueError(f"address must look like 'tcp://host:port', got {address!r}")
+        check_address(address)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if not isinstance(retries, int) or retries < 0:

@@ -30,6 +30,17 @@ class _Finished:
         self.error = error
 
 
+def put_unless_stopped(q: queue.Queue, item, stop: threading.Event, poll: float = _POLL_SECONDS) -> bool:
+    """Put `item` on a bounded queue, waiting for room; False (not put) once `stop` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=poll)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class PrefetchLoader:
     """Iterates `source` on a background thread, keeping up to `depth` batches ready."""
 
@@ -57,13 +68,7 @@ class PrefetchLoader:
         self._put(_Finished(error))
 
     def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._queue, item, self._stop)
 
     def __iter__(self) -> Iterator[Batch]:
         self.close()

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridrec.comm.codec import decode_rows, encode_rows, make_id_codec, make_value_codec, with_prefix, without_prefix
-from hybridrec.comm.transport import Client, Message
+from hybridrec.comm.transport import Client, Message, check_addresses
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.ps.embedding_worker import worker_of
 
@@ -33,8 +33,7 @@ class Pulled:
 class EmbeddingWorkerClient:
     def __init__(self, addresses: Sequence[str], put_to: int, *, id_codec: str = "unique",
                  value_codec: str = "none", timeout: float = 30.0, retries: int = 3):
-        if isinstance(addresses, str) or not addresses:
-            raise ValueError(f"addresses must be a non-empty list of 'tcp://host:port', got {addresses!r}")
+        addresses = check_addresses(addresses)
         if not 0 <= put_to < len(addresses):
             raise ValueError(f"put_to must index the {len(addresses)} embedding workers, got {put_to!r}")
         self.addresses = list(addresses)
@@ -75,8 +74,8 @@ class EmbeddingWorkerClient:
         if reply.meta.get("lost"):
             return None
         meta = reply.meta
-        names = [k for k in meta if isinstance(meta[k], dict) and "codec" in meta[k]]
-        parts = {name: decode_rows(self.value_codec, without_prefix(reply.arrays, name, meta[name])) for name in names}
+        parts = {name: decode_rows(self.value_codec, without_prefix(reply.arrays, name, meta[name]))
+                 for name in meta["parts"]}
         return Pulled(str(meta["layout"]), parts, int(meta["batch_size"]), int(meta["num_features"]))
 
     def push(self, first_sample_id: int, grads: dict[str, np.ndarray]) -> dict:

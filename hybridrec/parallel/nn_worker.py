@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrec.comm.transport import check_addresses
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.models import build_model
 from hybridrec.parallel.dense_sync import make_dense, model_device
@@ -310,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     again.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints")
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
-    cfg = load_config(args.config, args.set)
+    try:
+        cfg = load_config(args.config, args.set)
+        ps_addresses = check_addresses([a for a in args.ps.split(",") if a], "--ps")
+        ew_addresses = check_addresses([a for a in args.embedding_workers.split(",") if a], "--embedding-workers")
+    except ValueError as error:  # ConfigError too
+        parser.error(str(error))
     if cfg.strategy.name != "persia":
         parser.error(f"{args.config}: strategy.name is {cfg.strategy.name!r}; NN workers run 'persia' jobs "
                      "(--set strategy.name=persia)")
@@ -329,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     join_process_group(backend)
     try:
-        result = train(cfg, [a for a in args.ps.split(",") if a], [a for a in args.embedding_workers.split(",") if a],
-                       resume=args.resume, overwrite=args.overwrite)
+        result = train(cfg, ps_addresses, ew_addresses, resume=args.resume, overwrite=args.overwrite)
         if dist.get_rank() == 0:
             print("final " + json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), flush=True)
     finally:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from hybridrec.data.batch import Batch
+from hybridrec.data.loader import put_unless_stopped
 from hybridrec.parallel.embedding_client import EmbeddingWorkerClient, Pulled
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
@@ -81,13 +82,7 @@ class EmbeddingPipeline:
                 self._cond.notify_all()
 
     def _offer(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._ready.put(item, timeout=_POLL)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._ready, item, self._stop, _POLL)
 
     def _feed(self) -> None:
         client = self._feeder_client

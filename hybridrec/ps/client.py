@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit
 
 from hybridrec.comm.codec import Encoded, make_value_codec
-from hybridrec.comm.transport import Client, Message, request_all
+from hybridrec.comm.transport import Client, Message, check_addresses, request_all
 from hybridrec.embedding import route
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.hashing import mix64
@@ -167,8 +167,7 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0, retries: int = 2,
                  value_codec: str = "none", max_keys_per_request: int = 16384, **codec_options: Any):
-        if isinstance(addresses, str) or not addresses:
-            raise ValueError(f"addresses must be a non-empty list of 'tcp://host:port', got {addresses!r}")
+        addresses = check_addresses(addresses)
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         self.addresses = list(addresses)

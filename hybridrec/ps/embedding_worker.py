@@ -37,7 +37,7 @@ import torch
 
 from hybridrec.comm.codec import (Encoded, decode_rows, encode_rows, make_id_codec, make_value_codec, with_prefix,
                                   without_prefix)
-from hybridrec.comm.transport import Message, Operation, Server, Service
+from hybridrec.comm.transport import Message, Operation, Server, Service, check_addresses
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.parallel.tables import JobTables
 from hybridrec.ps.client import PSClient
@@ -78,7 +78,7 @@ class EmbeddingWorker(Service):
         if not isinstance(max_buffered, int) or max_buffered < 1:
             raise ValueError(f"max_buffered must be an int >= 1, got {max_buffered!r}")
         self.tables, self.rank = tables, rank
-        self.ps_addresses = list(ps_addresses)
+        self.ps_addresses = check_addresses(ps_addresses, "ps_addresses")  # clients connect lazily, per thread
         self.id_codec = make_id_codec(id_codec)
         # the lossless mode deduplicates the rows as well as the IDs: only unique rows travel
         self.unique_rows = id_codec == "unique"
@@ -174,6 +174,7 @@ class EmbeddingWorker(Service):
             deep, wide = layout.assemble({t: torch.from_numpy(r) for t, r in rows.items()}, self._deep_dim)
             parts = {side: value.reshape(layout.batch_size, -1).numpy()
                      for side, value in (("deep", deep), ("wide", wide)) if value is not None}
+        meta["parts"] = list(parts)
         arrays: dict[str, np.ndarray] = {}
         for name, values in parts.items():
             part_arrays, meta[name] = with_prefix(encode_rows(self.value_codec, values, name), name)
@@ -260,14 +261,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.embe
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.set)
-    strategy = cfg.strategy
-    addresses = [a for a in args.ps.split(",") if a]
-    torch.set_num_threads(1)
-    worker = EmbeddingWorker(job_tables(cfg), addresses, args.rank, host=args.host, port=args.port,
-                             threads=args.threads, id_codec=strategy.id_codec, value_codec=strategy.value_codec,
-                             timeout=strategy.request_timeout, retries=strategy.retries,
-                             max_buffered=strategy.max_buffered_batches)
+    try:
+        cfg = load_config(args.config, args.set)
+        strategy = cfg.strategy
+        torch.set_num_threads(1)
+        addresses = check_addresses([a for a in args.ps.split(",") if a], "--ps")
+        worker = EmbeddingWorker(job_tables(cfg), addresses, args.rank, host=args.host,
+                                 port=args.port, threads=args.threads, id_codec=strategy.id_codec,
+                                 value_codec=strategy.value_codec, timeout=strategy.request_timeout,
+                                 retries=strategy.retries, max_buffered=strategy.max_buffered_batches)
+    except ValueError as error:  # ConfigError too: a bad config, --ps, --rank, --threads or --port
+        parser.error(str(error))
     worker.start()
     run_until_stopped(worker, on_ready=lambda: print(f"{READY}{worker.address} pid {os.getpid()}", flush=True))
     return 0

@@ -54,7 +54,7 @@ def table_bags(features: JaggedFeatures, names: list[str], feature_to_table: Map
     out = []
     for table, columns in columns_of.items():
         positions = [features.names.index(names[c]) for c in columns]
-        keys = np.concatenate([features.feature(features.names[p])[0] for p in positions])
+        keys = np.concatenate([features.feature(names[c])[0] for c in columns])
         table_lengths = lengths[positions].ravel()  # (local feature, sample) bags
         bag = torch.repeat_interleave(torch.arange(len(table_lengths)), torch.from_numpy(table_lengths))
         out.append(TableBags(table, np.ascontiguousarray(keys), bag, _scale(table_lengths, pooling[table]),
