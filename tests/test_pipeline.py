@@ -97,6 +97,20 @@ def test_a_failing_pipeline_raises_in_the_training_thread(job):
         pipeline.close()
 
 
+def test_no_batch_beyond_the_limit_is_looked_up(job):
+    """A run's last steps: a lookup inserts keys, so batches past the limit must not reach the PS."""
+    cfg, make_client = job
+    with EmbeddingPipeline(batches(cfg), make_client, 2, skip=1, limit=3) as pipeline:
+        trained = []
+        for ready in pipeline:
+            trained.append(ready.index)
+            pipeline.push(ready, {name: np.zeros_like(part) for name, part in ready.embeddings.parts.items()})
+        pipeline.drain(60)
+        stats = make_client().stats()[0]
+    assert trained == [1, 2, 3]
+    assert stats["pulls"] == 3 and stats["buffered"] == 0
+
+
 def test_tau_must_be_a_non_negative_int(job):
     cfg, make_client = job
     with pytest.raises(ValueError, match="tau"):

@@ -197,7 +197,9 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
             if done:
                 break
             skip = progress["next_batch"] if epoch == progress["epoch"] else 0
-            pipeline = EmbeddingPipeline(job.sources.train, job.embedding_client, effective_tau(cfg), skip=skip)
+            remaining = None if max_steps is None else max_steps - progress["step"]
+            pipeline = EmbeddingPipeline(job.sources.train, job.embedding_client, effective_tau(cfg), skip=skip,
+                                         limit=remaining)
             try:
                 stream = iter(pipeline)
                 tick = time.perf_counter()

@@ -43,14 +43,19 @@ class EmbeddingPipeline:
     """Iterate to get ReadyBatch objects; hand each one's gradients back with `push`.
 
     `make_client` builds a fresh `EmbeddingWorkerClient` (one per thread). `skip` batches at the
-    start of `batches` are read and dropped (resuming mid-epoch). Always `close()` (or use `with`).
+    start of `batches` are read and dropped (resuming mid-epoch). At most `limit` batches are looked
+    up (a run's remaining steps): a lookup inserts keys, so one of a batch that will never be trained
+    would change what the final evaluation reads. Always `close()` (or use `with`).
     """
 
     def __init__(self, batches: Iterable[Batch], make_client: Callable[[], EmbeddingWorkerClient],
-                 tau: int, skip: int = 0):
+                 tau: int, skip: int = 0, limit: int | None = None):
         if not isinstance(tau, int) or tau < 0:
             raise ValueError(f"tau must be an int >= 0, got {tau!r}")
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
         self.tau = tau
+        self._limit = limit
         self._batches = batches
         self._skip = skip
         self._feeder_client = make_client()
@@ -92,6 +97,8 @@ class EmbeddingPipeline:
                 return
             if index < self._skip:
                 continue
+            if self._limit is not None and looked_up >= self._limit:
+                break
             first = client.put(batch.sparse)
             with self._cond:  # bounded staleness: wait for the updates of batches <= looked_up-1-tau
                 while looked_up - self._acked > self.tau and not self._stop.is_set():
