@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from hybridrec.cli import main
-from hybridrec.parallel.launch import build_roles, ps_shm_name, remove_shared_memory
+from hybridrec.embedding.memory import shm_path
+from hybridrec.parallel.launch import (build_roles, launch, new_job_id, ps_shm_name, remove_dead_jobs_shared_memory,
+                                       remove_shared_memory)
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT, Role, Supervisor
 
 PY = sys.executable
@@ -232,6 +234,87 @@ def test_the_jobs_shared_memory_is_removed(tmp_path, monkeypatch):
     (tmp_path / "hybridrec-other.C1").mkdir()
     remove_shared_memory([prefix], ["C1", "C2", "C1:wide"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hybridrec-other.C1"]
+
+
+def job_sets(job, tables=("C1", "C1:wide")):
+    """The shared memory a launcher's PS servers make for `job` (2 servers), as real directories."""
+    sets = []
+    for i in range(2):
+        prefix = ps_shm_name(job, i)
+        for name in (prefix, *(f"{prefix}.{t.replace(':', '..')}" for t in tables)):
+            path = shm_path(name)
+            path.mkdir()
+            (path / "store.json").write_text("{}")
+            sets.append(path)
+    return sets
+
+
+def dead_launcher_job():
+    """A job id of a launcher that has exited: a child process's identity, taken while it ran."""
+    child = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    stat = Path(f"/proc/{child.pid}/stat").read_text()
+    start = stat[stat.rfind(")") + 2:].split()[19]
+    child.communicate(b"")
+    own = new_job_id().split("-")  # this process: pid, start, namespace tag, random
+    return f"{child.pid}-{start}-{own[2]}-0d0d0d"
+
+
+needs_proc = pytest.mark.skipif(new_job_id().count("-") != 3, reason="job ids carry no launcher identity "
+                                                                       "without /proc")
+
+
+@needs_proc
+def test_the_shared_memory_of_a_dead_launcher_is_removed_and_live_or_foreign_sets_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path))
+    live = new_job_id()  # this test process poses as a running launcher
+    pid, start, tag, _ = live.split("-")
+    dead = dead_launcher_job()
+    reused = f"{pid}-{int(start) + 1}-{tag}-1e1e1e"  # this pid, but another process's start time
+    elsewhere = f"{dead.split('-')[0]}-{start}-{'0' if tag[0] != '0' else '1'}{tag[1:]}-2f2f2f"  # other namespace
+    dead_sets, reused_sets = job_sets(dead), job_sets(reused)
+    kept = job_sets(live) + job_sets(elsewhere) + job_sets(f"{dead.split('-')[0]}-abcdef")  # old id format
+    for name in ("mytable.C1", "job1-ps0", "job1-ps0.C1", f"hybridrec-{dead}-ps0-copy",
+                 f"hybridrec-{dead}-psx", f"{dead}-ps0"):
+        kept.append(shm_path(name))
+        kept[-1].mkdir()
+    (tmp_path / f"hybridrec-hybridrec-{dead}-ps7").write_text("a file, not a set")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / f"hybridrec-hybridrec-{dead}-ps8").symlink_to(tmp_path / "elsewhere")
+    before = sorted(tmp_path.iterdir())
+
+    logged = []
+    removed = remove_dead_jobs_shared_memory(logged.append)
+    assert sorted(removed) == sorted([(dead, p) for p in dead_sets] + [(reused, p) for p in reused_sets])
+    assert logged == [f"removed shared memory of dead job {job}: {path}" for job, path in removed]
+    assert sorted(tmp_path.iterdir()) == sorted(set(before) - set(dead_sets) - set(reused_sets))
+    assert all(p.is_dir() for p in kept)
+    assert remove_dead_jobs_shared_memory(logged.append) == [] and len(logged) == len(removed)  # silent now
+
+
+def test_the_sweep_is_silent_when_there_is_nothing_to_remove(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path / "missing"))
+    assert remove_dead_jobs_shared_memory(pytest.fail) == []
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path))
+    shm_path("mytable.C1").mkdir()
+    assert remove_dead_jobs_shared_memory(pytest.fail) == []
+
+
+@needs_proc
+def test_launch_removes_dead_jobs_memory_at_start_after_its_job_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path))
+    dead = dead_launcher_job()
+    dead_sets = job_sets(dead)
+    monkeypatch.setattr(Supervisor, "run", lambda self, timeout=None: OK)  # no roles: only the start
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  name: persia\n")
+    out = Lines()
+    assert launch(str(config), ps=1, embedding_workers=1, nn_workers=1, out=out) == OK
+    assert not any(p.exists() for p in dead_sets)
+    lines = out.lines()
+    assert lines[0].startswith("[launch] job ")
+    assert lines[1:] == [f"[launch] removed shared memory of dead job {dead}: {p}" for p in sorted(dead_sets)]
+    job = "\n".join(lines).split("[launch] job ", 1)[1].split(":", 1)[0]  # as tests/test_distributed.py reads it
+    assert job.rsplit("-", 1)[0] == new_job_id().rsplit("-", 1)[0]  # launched by this process
 
 
 def test_launch_refuses_a_local_strategy_config_naming_strategy_name(tmp_path, capsys):

@@ -4,20 +4,25 @@ N PS servers (each with its tables in named shared memory, so a restarted server
 E embedding workers, then K NN workers under torchrun once every server and embedding worker
 reported ready. PS servers and embedding workers are restarted on the same port when they die
 (`role_restarts` times each); torchrun restarts its own workers (`max_restarts`). When the job
-ends, for whatever reason, every process is stopped and the job's shared memory is deleted.
+ends, for whatever reason, every process is stopped and the job's shared memory is deleted. A
+launcher killed with SIGKILL cannot do that, so each launch first removes the shared memory of
+launcher jobs whose launcher process is gone (`remove_dead_jobs_shared_memory`).
 
 Python API: `launch(config, ps=N, embedding_workers=E, nn_workers=K, ...)` returns the exit code;
 `build_roles(...)` gives the `Role`s without running them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 import shutil
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Sequence, TextIO
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
 
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.parallel.supervisor import Role, Supervisor
@@ -40,13 +45,96 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def _process_start(pid: int) -> str | None:
+    """Start time of a live process (field 22 of /proc/<pid>/stat, clock ticks after boot);
+    None when there is no such process, or only its zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # from field 3 (state) on: comm may hold spaces
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _namespace_tag() -> str | None:
+    """Names this kernel boot and pid namespace: pids and start times only mean something within
+    both. (A shared-memory directory can be seen from other pid namespaces, e.g. containers of one
+    pod, or from other machines when HYBRIDREC_SHM_DIR is on a shared file system.)"""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return hashlib.sha1(f"{boot} {namespace}".encode()).hexdigest()[:6]
+
+
+# <launcher pid>-<its start time>-<namespace tag>-<random>: enough to tell, later, whether the
+# launcher of a job is still running. Without /proc the id is <pid>-<random>, which no sweep matches.
+JOB_ID = r"(?P<pid>[0-9]+)-(?P<start>[0-9]+)-(?P<tag>[0-9a-f]{6})-[0-9a-f]{6}"
+
+
 def new_job_id() -> str:
-    """Short and unique per launch; names the job's shared memory."""
-    return f"{os.getpid()}-{secrets.token_hex(3)}"
+    """Unique per launch; names the job's shared memory and says which process launched it."""
+    pid, token = os.getpid(), secrets.token_hex(3)
+    start, tag = _process_start(pid), _namespace_tag()
+    if start is None or tag is None:
+        return f"{pid}-{token}"
+    return f"{pid}-{start}-{tag}-{token}"
 
 
 def ps_shm_name(job: str, index: int) -> str:
     return f"hybridrec-{job}-ps{index}"
+
+
+# What a launcher's PS servers create under shm_root(): shm_path(ps_shm_name(job, i)) and
+# shm_path(table_shm_name(ps_shm_name(job, i), table)), i.e. "hybridrec-" + ps_shm_name + ".<table>".
+_JOB_SET = re.compile(rf"hybridrec-hybridrec-(?P<job>{JOB_ID})-ps[0-9]+(?:\..+)?")
+
+
+def launcher_alive(job: str) -> bool | None:
+    """Whether the launcher of `job` is still running: None when that cannot be told here (a job
+    id without pid and start time, or one from another boot, pid namespace or machine)."""
+    match = re.fullmatch(JOB_ID, job)
+    if match is None or match["tag"] != _namespace_tag():
+        return None
+    return _process_start(int(match["pid"])) == match["start"]  # same pid, other start: pid reused
+
+
+def remove_dead_jobs_shared_memory(log: Callable[[str], None] | None = None) -> list[tuple[str, Path]]:
+    """Delete the shared memory left by launcher jobs whose launcher is gone (killed with SIGKILL,
+    so it could not clean up). Only directories named as a launcher names them, with a job id this
+    machine can judge, are looked at; a live launcher's sets and every other name are left alone.
+    One listing of shm_root() and one /proc read per job; logs one line per removed set through
+    `log` and nothing when there is nothing to remove. Returns (job, path) of each removed set."""
+    from hybridrec.embedding.memory import shm_root
+
+    root, verdicts, removed = shm_root(), {}, []
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _JOB_SET.fullmatch(entry.name)
+        if match is None:
+            continue
+        job = match["job"]
+        if job not in verdicts:
+            verdicts[job] = launcher_alive(job)
+        try:
+            is_set = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        if verdicts[job] is not False or not is_set:
+            continue
+        path = Path(entry.path)
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append((job, path))
+            if log is not None:
+                log(f"removed shared memory of dead job {job}: {path}")
+    return removed
 
 
 @dataclass(frozen=True)
@@ -164,6 +252,7 @@ def launch(config: str, *, ps: int, embedding_workers: int, nn_workers: int, ove
     supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
                    f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
                    f"{nn_workers} NN worker(s)")
+    remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
     code = supervisor.run(timeout)
     if code != 0:
         print(f"hybridrec launch: {supervisor.reason}", file=sys.stderr, flush=True)
