@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
-from .prefetch import prefetch_row
+from .prefetch import prefetch_cell, prefetch_row
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 
 # metadata columns, relative to the meta offset (int32 view)
@@ -48,6 +48,7 @@ _COUNT_CEILING = 1 << 30
 _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
+PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
 
 
 @njit(inline="always")
@@ -259,39 +260,109 @@ def _age_counts(r32, meta, parts, p):
 # ---------------------------------------------------------------- lookup
 
 @njit(cache=True, nogil=True)
-def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
-                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase):
-    """Probe (and insert) the keys of partition p; returns (number of unique rows, error code)."""
-    meta = icfg[IC_META]
-    kcol = meta // 2
-    lfu = icfg[IC_POLICY] == POLICY_LFU
-    s0 = parts[p, PT_SLOT_START]
-    ns = parts[p, PT_SLOT_COUNT]
-    nuniq = 0
+def _dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
+    """Batch-local unique keys of positions lo..hi (in first-seen order) with their multiplicity,
+    through a small open-addressing table that stays in L1/L2: the big index is then probed once
+    per distinct key, never per duplicate. Returns the number of distinct keys."""
+    n = hi - lo
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, np.int32)
+    nu = 0
     use_order = order.shape[0] > 0
     for j in range(lo, hi):
-        # software pipeline: the slot of a key 16 ahead, the row of a key 8 ahead
-        ahead = j + PREFETCH_SLOT
-        if ahead < hi:
-            prefetch_row(index, s0 + scale32(hashes[order[ahead] if use_order else ahead], ns))
-        ahead = j + PREFETCH_ROW
-        if ahead < hi:
-            guess = index[s0 + scale32(hashes[order[ahead] if use_order else ahead], ns)]
-            if guess >= 0:
-                prefetch_row(r32, guess)
-                prefetch_row(rows, guess)
         i = order[j] if use_order else j
         key = keys[i]
         h = hashes[i]
+        s = np.int64(h & np.uint64(mask))
+        while True:
+            u = table[s]
+            if u < 0:
+                u = nu
+                table[s] = u
+                ukeys[u] = key
+                uhash[u] = h
+                mult[u] = 0
+                nu += 1
+                break
+            if ukeys[u] == key:
+                break
+            s = (s + 1) & mask
+        mult[u] += 1
+        local_inverse[j - lo] = u
+    return nu
+
+
+@njit(inline="always")
+def _admit_any(key, seed, times, parts, p, icfg, fcfg, sketch):
+    """Admission of a key seen `times` times in this batch: one decision per sighting, as if
+    the sightings came one by one, stopping at the first that admits it."""
+    for _ in range(times):
+        if _admit(key, seed, parts[p, PT_INSERTED] + parts[p, PT_REJECTED], icfg, fcfg, sketch):
+            return True
+        parts[p, PT_REJECTED] += 1
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
+                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase):
+    """Probe (and insert) the keys of partition p; returns (number of unique rows, error code).
+
+    Three passes: dedupe the batch's keys locally (`_dedupe`); probe each distinct key once in a
+    software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row, metadata and LRU
+    neighbours of the key PREFETCH_ROW ahead are requested from memory early, so their misses
+    overlap instead of following one another); then map every position to its unique row. A key
+    absent or refused admission reads as row -1 at every one of its positions."""
+    meta = icfg[IC_META]
+    kcol = meta // 2
+    dim = icfg[IC_DIM]
+    width = rows.shape[1]
+    lfu = icfg[IC_POLICY] == POLICY_LFU
+    s0 = parts[p, PT_SLOT_START]
+    ns = parts[p, PT_SLOT_COUNT]
+    n = hi - lo
+    ukeys = np.empty(n, np.uint64)
+    uhash = np.empty(n, np.uint64)
+    mult = np.empty(n, np.int64)
+    local_inverse = np.empty(n, np.int32)
+    nd = _dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse)
+    row_of = np.empty(nd, np.int32)  # distinct key -> row (-1: absent / not admitted)
+    slot_of = np.empty(nd, np.int32)  # distinct key -> unique index (-1 likewise)
+    nuniq = 0
+    for u in range(nd):
+        ahead = u + PREFETCH_SLOT
+        if ahead < nd:
+            prefetch_row(index, s0 + scale32(uhash[ahead], ns))
+        ahead = u + PREFETCH_ROW
+        if ahead < nd:
+            guess = index[s0 + scale32(uhash[ahead], ns)]
+            if guess >= 0:
+                prefetch_row(r32, guess)
+                prefetch_row(rows, guess)
+                if width > 16:
+                    prefetch_cell(rows, guess, width - 1)
+        ahead = u + PREFETCH_LINKS
+        if ahead < nd and not lfu and mode != MODE_FIND:
+            guess = index[s0 + scale32(uhash[ahead], ns)]
+            if guess >= 0:  # the LRU neighbours this key's touch will relink
+                prv = r32[guess, meta + M_PREV]
+                nxt = r32[guess, meta + M_NEXT]
+                if prv >= 0:
+                    prefetch_row(r32, prv)
+                if nxt >= 0:
+                    prefetch_row(r32, nxt)
+        key = ukeys[u]
+        h = uhash[u]
         slot = _probe(index, r64, kcol, key, s0, ns, h)
         r = index[slot]
         if r < 0:
-            if mode == MODE_FIND or (mode == MODE_TRAIN and not _admit(
-                    key, seed, parts[p, PT_INSERTED] + parts[p, PT_REJECTED], icfg, fcfg, sketch)):
-                if mode == MODE_TRAIN:
-                    parts[p, PT_REJECTED] += 1
-                out_rows[i] = -1
-                inverse[i] = -1
+            if mode == MODE_FIND or (mode == MODE_TRAIN and not _admit_any(key, seed, mult[u], parts, p, icfg,
+                                                                             fcfg, sketch)):
+                row_of[u] = -1
+                slot_of[u] = -1
                 continue
             size = parts[p, PT_SIZE]
             if size < parts[p, PT_ROW_COUNT]:
@@ -317,24 +388,28 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             _init_row(rows, r, key, seed, icfg, fcfg)
             r32[r, meta + M_COUNT] = 0
             r32[r, meta + M_CLOCK] = 0
-            r32[r, meta + M_STAMP] = epoch - 1
             if not lfu:
                 _lru_push_head(r32, meta, parts, p, r)
             parts[p, PT_INSERTED] += 1
+        elif mode != MODE_FIND and not lfu:
+            _lru_touch(r32, meta, parts, p, r)
         if mode != MODE_FIND:
-            c = r32[r, meta + M_COUNT] + 1
+            c = r32[r, meta + M_COUNT] + mult[u]
             r32[r, meta + M_COUNT] = c
             if c >= _COUNT_CEILING:
                 _age_counts(r32, meta, parts, p)
-        if r32[r, meta + M_STAMP] != epoch:
-            r32[r, meta + M_STAMP] = epoch
-            r32[r, meta + M_SLOT] = ubase + nuniq
-            uniq_rows[ubase + nuniq] = r
-            nuniq += 1
-            if mode != MODE_FIND and not lfu:
-                _lru_touch(r32, meta, parts, p, r)
-        out_rows[i] = r
-        inverse[i] = r32[r, meta + M_SLOT]
+        r32[r, meta + M_STAMP] = epoch  # in use by this batch: not evictable until the next
+        r32[r, meta + M_SLOT] = ubase + nuniq
+        uniq_rows[ubase + nuniq] = r
+        row_of[u] = r
+        slot_of[u] = ubase + nuniq
+        nuniq += 1
+    use_order = order.shape[0] > 0
+    for j in range(lo, hi):
+        i = order[j] if use_order else j
+        u = local_inverse[j - lo]
+        out_rows[i] = row_of[u]
+        inverse[i] = slot_of[u]
     return nuniq, 0
 
 
@@ -498,6 +573,10 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
         lr = lr / (1.0 + (step - 1) * b)
     elif opt == OPT_ADAM:  # torch.optim.SparseAdam: lr * sqrt(1 - b2^t) / (1 - b1^t)
         adam_step = lr * np.sqrt(1.0 - b ** step) / (1.0 - a ** step)
+    lr32 = np.float32(lr)
+    eps32 = np.float32(a)
+    wd32 = np.float32(wd)
+    bound32 = np.float32(bound)
     skipped = 0
     nu = uniq_rows.shape[0]
     for u in range(nu):
@@ -510,13 +589,13 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
             continue
         # one branch-free loop per optimizer so that LLVM vectorises across the row; float32
         # rounding at the points where torch materialises a float32 tensor
-        if opt == OPT_ADAGRAD:
+        if opt == OPT_ADAGRAD:  # float32 throughout, in torch's order: w + (-lr * g) / (sqrt(acc) + eps)
             for d in range(dim):
-                w = np.float64(rows[r, d])
-                g = _f32(np.float64(ugrad[u, d]) + wd * w)
-                acc = _f32(rows[r, dim + d] + g * g)
-                rows[r, dim + d] = acc
-                rows[r, d] = min(max(w - lr * g / _f32(np.sqrt(acc) + a), -bound), bound)
+                w32 = rows[r, d]
+                g32 = ugrad[u, d] + wd32 * w32
+                acc32 = rows[r, dim + d] + g32 * g32
+                rows[r, dim + d] = acc32
+                rows[r, d] = min(max(w32 - (lr32 * g32) / (np.sqrt(acc32) + eps32), -bound32), bound32)
         elif opt == OPT_SGD:
             for d in range(dim):
                 w = np.float64(rows[r, d])
