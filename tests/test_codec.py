@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hybridrec.comm.codec import (
-    Encoded, Fp16BlockCodec, RawIdCodec, RawValueCodec, UniqueIdCodec, make_id_codec,
+    FP16_SCALE_TARGET, Encoded, Fp16BlockCodec, RawIdCodec, RawValueCodec, UniqueIdCodec, make_id_codec,
     make_value_codec,
 )
 from hybridrec.data.batch import JaggedFeatures
@@ -149,3 +149,92 @@ def test_unique_decode_rejects_tampered_positions():
         UniqueIdCodec().decode(tampered)
     with pytest.raises(ValueError, match="codec"):
         RawIdCodec().decode(encoded)
+
+
+def torch_fp16_reference(rows, block, scale_target):
+    """The torch implementation the numba fp16 kernels replaced: (values, scales, decoded)."""
+    import torch
+
+    n, dim = rows.shape
+    blocks = torch.from_numpy(rows.copy()).view(n, dim // block, block)
+    norms = blocks.abs().amax(dim=2) if rows.size else torch.zeros(n, dim // block)
+    scales = (scale_target / norms).clamp_(max=float(np.finfo(np.float32).max))
+    values = torch.empty((n, dim // block, block), dtype=torch.float16)
+    torch.mul(blocks, scales.unsqueeze(2), out=values)
+    decoded = torch.div(values, scales.unsqueeze(2)).view(n, dim)
+    return values.view(n, dim).numpy(), scales.numpy(), decoded.numpy()
+
+
+def awkward_rows(n, dim, seed):
+    """Rows mixing zero rows and blocks, -0.0, negatives, huge and tiny magnitudes, and values
+    that land in fp16's subnormal range (or below it) once scaled by their block's norm."""
+    rng = np.random.default_rng(seed)
+    magnitudes = 10.0 ** rng.uniform(-44, 38, size=(n, 1))
+    rows = rng.standard_normal((n, dim)) * magnitudes
+    rows *= 10.0 ** rng.uniform(-12, 0, size=(n, dim)) * (rng.random((n, dim)) < 0.3) + (rng.random((n, dim)) >= 0.3)
+    rows = rows.astype(np.float32)
+    rows[rng.random(n) < 0.1] = 0.0
+    rows[rng.random((n, dim)) < 0.05] = -0.0
+    rows[rng.random((n, dim)) < 0.02] = np.float32(2.0**-149)  # float32's smallest subnormal
+    return rows
+
+
+@pytest.mark.parametrize("dim, block_size", [(1, None), (4, None), (4, 1), (16, None), (16, 4),
+                                             (17, None), (17, 1), (64, None), (64, 16)])
+@pytest.mark.parametrize("scale_target", [16384.0, 1000.1, 32768.0])
+def test_fp16_is_bit_identical_to_the_torch_cast_it_replaced(dim, block_size, scale_target):
+    codec = Fp16BlockCodec(block_size=block_size, scale_target=scale_target)
+    for seed in range(4):
+        rows = awkward_rows(257, dim, seed)
+        encoded = codec.encode(rows)
+        values, scales, decoded = torch_fp16_reference(rows, dim if block_size is None else block_size,
+                                                       scale_target)
+        assert encoded.arrays["values"].dtype == np.float16 and encoded.arrays["scales"].dtype == np.float32
+        assert encoded.arrays["values"].shape == values.shape and encoded.arrays["scales"].shape == scales.shape
+        assert encoded.arrays["values"].tobytes() == values.tobytes()
+        assert encoded.arrays["scales"].tobytes() == scales.tobytes()
+        assert codec.decode(encoded).tobytes() == decoded.tobytes()
+
+
+def test_fp16_casts_every_float32_bit_pattern_range_like_torch():
+    """Scale 1 blocks (norm == scale_target) put every fp16 rounding case through the kernels:
+    ties to even, subnormals, the smallest normal, values rounding up to the next binade."""
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0x30000000, 0x46800000, size=(4096, 15), dtype=np.uint32)
+    bits |= rng.integers(0, 2, size=bits.shape, dtype=np.uint32) << np.uint32(31)
+    bits[:, :3] = (bits[:, :3] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)  # exact ties
+    rows = np.concatenate([bits.view(np.float32), np.full((4096, 1), 16384.0, np.float32)], axis=1)
+    steps = rng.integers(0, 1024, size=(4096, 3)) + 0.5  # ties between fp16 subnormals
+    rows[:, 3:6] = steps * 2.0**-24 * np.where(rng.random((4096, 3)) < 0.5, -1, 1)
+    rows[:, 6:8] = [2.0**-25, 1.5 * 2.0**-25]  # halfway to the smallest subnormal, and past it
+    codec = Fp16BlockCodec()
+    encoded = codec.encode(rows)
+    values, scales, decoded = torch_fp16_reference(rows, 16, 16384.0)
+    assert np.all(scales == 1.0)
+    assert encoded.arrays["values"].tobytes() == values.tobytes()
+    assert codec.decode(encoded).tobytes() == decoded.tobytes()
+
+
+def test_fp16_decodes_every_float16_like_torch():
+    import torch
+
+    values = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(-1, 16)
+    scales = np.random.default_rng(8).uniform(0.5, 3.0, size=(len(values), 1)).astype(np.float32)
+    encoded = Encoded("fp16", {"values": values, "scales": scales}, {"block_size": 16})
+    expected = torch.div(torch.from_numpy(values), torch.from_numpy(scales)).numpy()
+    assert Fp16BlockCodec().decode(encoded).tobytes() == expected.tobytes()
+
+
+def test_fp16_accepts_read_only_and_empty_arrays():
+    rows = awkward_rows(8, 16, 9)
+    rows.flags.writeable = False
+    codec = Fp16BlockCodec(block_size=4)
+    encoded = codec.encode(rows)
+    frozen = {name: array.copy() for name, array in encoded.arrays.items()}
+    for array in frozen.values():
+        array.flags.writeable = False
+    decoded = codec.decode(Encoded("fp16", frozen, encoded.meta))
+    assert decoded.tobytes() == torch_fp16_reference(rows, 4, FP16_SCALE_TARGET)[2].tobytes()
+    for shape in [(0, 16), (3, 0)]:
+        empty = codec.encode(np.zeros(shape, np.float32))
+        assert codec.decode(empty).shape == shape

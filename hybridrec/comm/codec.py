@@ -15,8 +15,10 @@ Two independent choices, each selected per job by name (Persia §4.2.3):
 
 Every `encode` returns an `Encoded` (named arrays + small JSON-able metadata) whose `nbytes`
 is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transport` sends.
-ID work runs in numba kernels and fp16 casts in torch ops (numpy's are slow): no Python loop
-per ID or per row.
+ID work and the fp16 casts run in numba kernels over numpy arrays: no torch op (they run in the
+NN worker's feeder and pusher threads) and no Python loop per ID, row or value. The fp16 kernels
+round float32 to float16 bits themselves, to nearest even with subnormals, exactly as a cast
+does (numpy's float16 casts are several times slower).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from numba import njit
 
 from hybridrec.data.batch import JaggedFeatures
@@ -315,9 +316,116 @@ class UniqueIdCodec:
         return JaggedFeatures(list(names), values, offsets)
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """A torch view of a contiguous array (a copy only if it is read-only, which torch refuses)."""
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
+@njit(cache=True, nogil=True)
+def _half_bits(bits):
+    """The float16 bit pattern nearest (ties to even) the float32 whose bit pattern is `bits`."""
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    if magnitude >= np.uint32(0x477FF000):  # from 65520 on: inf (NaN stays a NaN)
+        return np.uint16(sign | (np.uint32(0x7E00) if magnitude > np.uint32(0x7F800000) else np.uint32(0x7C00)))
+    if magnitude >= np.uint32(0x38800000):  # a normal fp16 (>= 2**-14): drop 13 mantissa bits
+        half = (magnitude - np.uint32(0x38000000)) >> np.uint32(13)
+        rest = magnitude & np.uint32(0x1FFF)
+        if rest > np.uint32(0x1000) or (rest == np.uint32(0x1000) and half & np.uint32(1)):
+            half += np.uint32(1)  # a carry into the exponent is still the right number
+        return np.uint16(sign | half)
+    exponent = magnitude >> np.uint32(23)
+    if exponent < np.uint32(102):  # below 2**-25, so nearer 0 than the smallest subnormal
+        return np.uint16(sign)
+    mantissa = (magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    shift = np.uint32(126) - exponent  # 14..24: value = mantissa / 2**shift fp16 subnormal steps
+    half = mantissa >> shift
+    rest = mantissa & ((np.uint32(1) << shift) - np.uint32(1))
+    halfway = np.uint32(1) << (shift - np.uint32(1))
+    if rest > halfway or (rest == halfway and half & np.uint32(1)):
+        half += np.uint32(1)
+    return np.uint16(sign | half)
+
+
+@njit(cache=True, nogil=True)
+def _float_bits(half):
+    """The float32 bit pattern of the float16 whose bit pattern is `half` (exact)."""
+    half = np.uint32(half)
+    sign = (half & np.uint32(0x8000)) << np.uint32(16)
+    exponent = (half >> np.uint32(10)) & np.uint32(0x1F)
+    mantissa = half & np.uint32(0x3FF)
+    if exponent == np.uint32(0x1F):  # inf or NaN
+        return sign | np.uint32(0x7F800000) | (mantissa << np.uint32(13))
+    if exponent != np.uint32(0):
+        return sign | ((exponent + np.uint32(112)) << np.uint32(23)) | (mantissa << np.uint32(13))
+    if mantissa == np.uint32(0):
+        return sign
+    exponent = np.uint32(113)  # a subnormal, mantissa * 2**-24: move the leading 1 to bit 10
+    while mantissa < np.uint32(0x400):
+        mantissa <<= np.uint32(1)
+        exponent -= np.uint32(1)
+    return sign | (exponent << np.uint32(23)) | ((mantissa & np.uint32(0x3FF)) << np.uint32(13))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _fp16_encode(blocks, scale_target, values, scales):
+    """Fill uint16 `values` [B, block] with the float16 bits of float32 `blocks` [B, block] times
+    their block's scale, min(FLOAT32_MAX, (1 / ||block||_inf) * scale_target) in float32 (0 for a
+    zero block), stored in `scales` [B]; False (with the arrays part-filled) if some block's
+    max |value| is NaN or inf. Each product is a float32 rounded once to float16, to nearest even.
+    """
+    num_blocks, block = blocks.shape
+    bits_in = blocks.view(np.uint32)
+    norm_box = np.empty(1, np.uint32)  # reads the max |value| bit pattern back as a float32
+    norm = norm_box.view(np.float32)
+    product = np.empty(block, np.float32)
+    product_bits = product.view(np.uint32)
+    float32_max = np.float32(FLOAT32_MAX)
+    for b in range(num_blocks):
+        norm_bits = np.uint32(0)  # non-negative floats order as their bit patterns; NaN above inf
+        for k in range(block):
+            norm_bits = max(norm_bits, bits_in[b, k] & np.uint32(0x7FFFFFFF))
+        if norm_bits >= np.uint32(0x7F800000):
+            return False
+        norm_box[0] = norm_bits
+        scale = float32_max  # zero block: 1/0 = inf, capped
+        if norm_bits:
+            scale = min(np.float32(1.0) / norm[0] * scale_target, float32_max)
+        scales[b] = scale
+        for k in range(block):
+            product[k] = blocks[b, k] * scale
+        irregular = np.uint32(0)
+        for k in range(block):  # the normal-fp16 rounding, branch-free so that it vectorizes
+            bits = product_bits[k]
+            magnitude = bits & np.uint32(0x7FFFFFFF)
+            irregular |= (((magnitude - np.uint32(0x38800000))  # bit 31 set below 2**-14 ...
+                           | (np.uint32(0x477FEFFF) - magnitude))  # ... or from 65520 on
+                          & np.uint32(0x80000000))
+            half = (magnitude + np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1))
+                    - np.uint32(0x38000000)) >> np.uint32(13)
+            values[b, k] = np.uint16(((bits >> np.uint32(16)) & np.uint32(0x8000)) | half)
+        if irregular:  # zeros, fp16 subnormals (or overflow) in this block: round one by one
+            for k in range(block):
+                values[b, k] = _half_bits(product_bits[k])
+    return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _fp16_decode(values, scales, rows):
+    """Fill float32 `rows` [B, block] with the float16 `values` [B, block] (given as uint16 bits)
+    divided in float32 by their block's scale, `scales` [B]."""
+    num_blocks, block = values.shape
+    rows_bits = rows.view(np.uint32)
+    for b in range(num_blocks):
+        special = np.uint32(0)
+        for k in range(block):  # normal fp16: rebias the exponent, branch-free so that it vectorizes
+            half = np.uint32(values[b, k])
+            exponent = half & np.uint32(0x7C00)
+            special |= (((exponent - np.uint32(0x400)) & np.uint32(0xFFFF8000))
+                        | ((exponent + np.uint32(0x400)) & np.uint32(0x8000)))  # exponent 0 or 31
+            rows_bits[b, k] = (((half & np.uint32(0x8000)) << np.uint32(16))
+                               | (((half & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(0x38000000)))
+        if special:  # zeros, subnormals, inf or NaN in this block
+            for k in range(block):
+                rows_bits[b, k] = _float_bits(values[b, k])
+        scale = scales[b]
+        for k in range(block):
+            rows[b, k] = rows[b, k] / scale
 
 
 def _check_rows(rows: np.ndarray, argument: str) -> np.ndarray:
@@ -371,15 +479,13 @@ class Fp16BlockCodec:
         rows = _check_rows(rows, argument)
         n, dim = rows.shape
         block = self._block(dim, argument)
-        blocks = _tensor(rows).view(n, dim // block, block)
-        norms = blocks.abs().amax(dim=2) if rows.size else torch.zeros(n, dim // block)
-        if not torch.isfinite(norms).all():  # amax propagates NaN and inf
+        values = np.empty((n * dim // block, block), np.uint16)  # float16 bits
+        scales = np.empty(n * (dim // block), np.float32)
+        if not _fp16_encode(rows.reshape(-1, block), np.float32(self.scale_target), values, scales):
             bad = int(rows.size - np.count_nonzero(np.isfinite(rows)))
             raise ValueError(f"{argument} holds {bad} NaN/inf values; fp16 encoding needs finite values")
-        scales = (self.scale_target / norms).clamp_(max=FLOAT32_MAX)  # zero blocks: K/0 = inf -> max
-        values = torch.empty((n, dim // block, block), dtype=torch.float16)
-        torch.mul(blocks, scales.unsqueeze(2), out=values)  # computed in fp32, rounded once to fp16
-        return Encoded(self.name, {"values": values.view(n, dim).numpy(), "scales": scales.numpy()},
+        return Encoded(self.name, {"values": values.view(np.float16).reshape(n, dim),
+                                   "scales": scales.reshape(n, dim // block)},
                        {"block_size": block})
 
     def decode(self, encoded: Encoded) -> np.ndarray:
@@ -395,8 +501,10 @@ class Fp16BlockCodec:
         if scales.shape != (n, dim // block) or not (scales > 0).all() or not np.isfinite(scales).all():
             raise ValueError(f"encoded 'scales' must be finite and > 0 with shape {(n, dim // block)}, "
                              f"got shape {scales.shape}")
-        blocks = _tensor(values).view(n, dim // block, block)
-        return torch.div(blocks, _tensor(scales).unsqueeze(2)).view(n, dim).numpy()
+        rows = np.empty((n * dim // block, block), np.float32)
+        _fp16_decode(np.ascontiguousarray(values).view(np.uint16).reshape(-1, block),
+                     np.ascontiguousarray(scales).reshape(-1), rows)
+        return rows.reshape(n, dim)
 
 
 ID_CODECS = {RawIdCodec.name: RawIdCodec, UniqueIdCodec.name: UniqueIdCodec}
