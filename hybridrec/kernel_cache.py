@@ -1,0 +1,59 @@
+"""Where numba keeps hybridrec's compiled kernels, so that a cached kernel always matches the source.
+
+numba's on-disk cache checks only the modification time of the file that defines a kernel, not
+of the files whose functions it inlines: after `git pull` changed kernels.py but not
+group_kernels.py, the group kernels would load the old, inlined probe from the cache and run
+it silently. Here the cache directory is named after a hash of every hybridrec source file, so
+any change to the package compiles afresh. A NUMBA_CACHE_DIR set by the user is left alone (then
+numba's own rule applies). The directory is ~/.cache/hybridrec/numba/<hash> (XDG_CACHE_HOME is
+honoured), or the temporary directory when the home is not writable.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+
+
+def source_hash(root: Path = PACKAGE_ROOT) -> str:
+    """A digest of the names and contents of every .py file under `root`."""
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def cache_dir(root: Path = PACKAGE_ROOT) -> Path:
+    """The kernel cache directory for the sources under `root` (created)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridrec" / "numba"
+    for parent in (base, Path(tempfile.gettempdir()) / "hybridrec-numba"):
+        path = parent / source_hash(root)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    raise OSError(f"no writable directory for numba's kernel cache under {base} or the temporary directory")
+
+
+def configure() -> str | None:
+    """Point numba's cache at `cache_dir()` unless NUMBA_CACHE_DIR is set; returns the directory used."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    try:
+        import numba
+    except ImportError:  # numba is a dependency; without it nothing compiles anyway
+        return None
+    try:
+        path = str(cache_dir())
+    except OSError:
+        return None  # numba then caches next to the sources, as by default
+    numba.config.CACHE_DIR = path
+    return path
