@@ -125,6 +125,7 @@ class TableSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     pooling: Literal["sum", "mean", "sqrtn"] = "sum"
     num_threads: int = Field(1, ge=1, le=256)
+    prefault: bool = False
 
     @field_validator("init")
     @classmethod

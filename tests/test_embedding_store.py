@@ -1,5 +1,7 @@
 """EmbeddingStore behaviour a user relies on: deterministic initialisation, pull/push, input
 checks that leave the store untouched, memory per row, and multi-threaded partitions."""
+import os
+
 import numpy as np
 import pytest
 
@@ -107,6 +109,40 @@ def test_memory_per_row_stays_within_budget_at_full_capacity():
     stats = store.stats()
     assert stats["size"] == 100_000
     assert stats["bytes_per_row"] <= (dim + dim) * 4 + 48
+
+
+def _resident_bytes_of(array: np.ndarray) -> int:
+    """Bytes of the memory mappings under `array` that are backed by RAM (from /proc/self/smaps;
+    numpy's huge-page advice may split one allocation into several mappings)."""
+    low_end, high_end = array.ctypes.data, array.ctypes.data + array.nbytes
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low < high_end and low_end < high
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_prefault_commits_the_rows_at_creation_and_changes_no_value(shm):
+    capacity = 400_000  # 51 MB of rows: above malloc's largest mmap threshold, so a mapping of its own
+    name = f"prefault-test-{os.getpid()}" if shm else None
+    store = EmbeddingStore(dim=16, capacity=capacity, optimizer="adagrad", prefault=True, shm_name=name)
+    try:
+        assert _resident_bytes_of(store.rows) >= 0.99 * store.rows.nbytes
+        assert _resident_bytes_of(store.meta) >= 0.99 * store.meta.nbytes
+        lazy = EmbeddingStore(dim=16, capacity=capacity, optimizer="adagrad")
+        assert _resident_bytes_of(lazy.rows) < 0.1 * lazy.rows.nbytes  # the default: committed on use
+        keys = np.arange(1_000, dtype=np.uint64) * np.uint64(2**40 + 7)
+        np.testing.assert_array_equal(store.pull(keys), lazy.pull(keys))
+        assert store.stats()["size"] == 1_000
+    finally:
+        if shm:
+            EmbeddingStore.unlink_shared(name)
 
 
 def test_two_threads_give_the_same_values_as_one():

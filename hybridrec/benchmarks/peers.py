@@ -2,7 +2,8 @@
 harness that builds them, warms them up and times them side by side.
 
 * `hybridrec`: one `hybridrec.embedding.EmbeddingStore` per field through
-  `EmbeddingCollection`, raw uint64 keys, Adagrad fused into backward.
+  `EmbeddingCollection`, raw uint64 keys, Adagrad fused into backward, `prefault` on (its
+  memory committed at creation, as the peers' dense tables are by their initialisation).
 * `torch`: `torch.nn.EmbeddingBag(sparse=True)` per field + `torch.optim.Adagrad`, fed keys
   pre-mapped to [0, n_distinct) (a perfect dictionary: no hashing, no collisions).
 * `torchrec`: TorchRec `FusedEmbeddingBagCollection` (FBGEMM table-batched kernels, EXACT
@@ -133,7 +134,7 @@ class HybridrecSystem(_SystemBase):
         self._jagged_features = JaggedFeatures
         adagrad = OptimizerConfig("adagrad", lr=ADAGRAD_LR, eps=ADAGRAD_EPS)
         tables = {f"table_{name}": TableConfig(dim=shape.dim, capacity=shape.capacity,
-                                               optimizer=adagrad, num_threads=1)
+                                               optimizer=adagrad, num_threads=1, prefault=True)
                   for name in shape.feature_names}
         self.collection = EmbeddingCollection(
             tables, {name: f"table_{name}" for name in shape.feature_names})

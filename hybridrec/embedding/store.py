@@ -111,8 +111,8 @@ class EmbeddingStore:
         self.pool_mode = POOLING_MODES[cfg.pooling]
         self.seed = np.uint64(cfg.seed)
         a = self._arena
-        self.rows = a.array("rows", (cfg.capacity, cfg.row_width), np.float32, create=create)
-        self.meta = a.array("meta", (cfg.capacity, K.META_WIDTH), np.int32, create=create)
+        self.rows = a.array("rows", (cfg.capacity, cfg.row_width), np.float32, create=create, prefault=cfg.prefault)
+        self.meta = a.array("meta", (cfg.capacity, K.META_WIDTH), np.int32, create=create, prefault=cfg.prefault)
         self.r32 = self.meta
         self.r64 = self.meta.view(np.uint64)  # column 0: the row's key
         row_counts = np.full(nparts, cfg.capacity // nparts, dtype=np.int64)

@@ -85,6 +85,7 @@ class TableConfig:
     weight_decay: float = 0.0
     pooling: str = "sum"
     num_threads: int = 1
+    prefault: bool = False  # commit the rows' memory at creation instead of at each page's first use
 
     def __post_init__(self):
         _integer("dim", self.dim, 1, 65536)
@@ -100,6 +101,8 @@ class TableConfig:
         _number("weight_decay", self.weight_decay, 0.0)
         _choice("pooling", self.pooling, POOLING_MODES)
         _integer("num_threads", self.num_threads, 1, 256)
+        if not isinstance(self.prefault, bool):
+            raise ValueError(f"prefault: must be true or false, got {self.prefault!r}")
         if self.num_threads > self.capacity:
             raise ValueError(f"num_threads: {self.num_threads} is more than capacity {self.capacity}")
 
