@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from hybridrec.config import ConfigError, JobConfig, load_config
-from hybridrec.parallel.supervisor import Role, Supervisor
+from hybridrec.parallel.supervisor import Role, Supervisor, proc_stat_fields
 
 PS_READY = "hybridrec-ps listening on "
 EMBEDDING_WORKER_READY = "hybridrec-embedding-worker listening on "
@@ -48,12 +48,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def _process_start(pid: int) -> str | None:
     """Start time of a live process (field 22 of /proc/<pid>/stat, clock ticks after boot);
     None when there is no such process, or only its zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # from field 3 (state) on: comm may hold spaces
-    if len(fields) < 20 or fields[0] in ("Z", "X"):
+    fields = proc_stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] in ("Z", "X"):
         return None
     return fields[19]
 

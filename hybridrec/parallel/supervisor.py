@@ -83,6 +83,16 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def proc_stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3 on (state, ppid, pgrp, ...) of /proc/<pid>/stat, or None when it cannot be read.
+    The command name (field 2) is cut off by its last ")", since it may hold spaces."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process is in process group `pgid`."""
     proc = Path("/proc")
@@ -95,12 +105,8 @@ def _group_alive(pgid: int) -> bool:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+        fields = proc_stat_fields(entry.name)
+        if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
             return True
     return False
 
