@@ -111,6 +111,21 @@ def test_no_batch_beyond_the_limit_is_looked_up(job):
     assert stats["pulls"] == 3 and stats["buffered"] == 0
 
 
+def test_no_lookup_runs_while_held_even_after_the_update_it_waited_for(job):
+    """An evaluation or checkpoint inside `held()` sees the PS as the trained steps left it."""
+    cfg, make_client = job
+    with EmbeddingPipeline(batches(cfg), make_client, 0) as pipeline:
+        stream = iter(pipeline)
+        ready = next(stream)
+        with pipeline.held():
+            pipeline.push(ready, {name: np.zeros_like(part) for name, part in ready.embeddings.parts.items()})
+            pipeline.drain(60)  # the feeder may now look up batch 1 (sync) ... but not while held
+            time.sleep(0.3)
+            assert make_client().stats()[0]["pulls"] == 1
+        assert next(stream).index == 1  # and it goes on afterwards
+        assert make_client().stats()[0]["pulls"] == 2
+
+
 def test_tau_must_be_a_non_negative_int(job):
     cfg, make_client = job
     with pytest.raises(ValueError, match="tau"):

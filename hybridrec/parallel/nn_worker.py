@@ -17,6 +17,7 @@ and each rank's position in its data; a restarted worker group (torchrun --max-r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -162,6 +163,11 @@ def drain_seconds(cfg: JobConfig) -> float:
     return s.request_timeout * (s.retries + 2) * (effective_tau(cfg) + 2)
 
 
+def _due(every: int | None, step: int) -> bool:
+    """Whether a periodic action (every `every` steps; None or 0: never) falls on `step`."""
+    return bool(every) and step % every == 0
+
+
 def _all_have(flag: bool) -> bool:
     have = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
@@ -219,24 +225,29 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                     logits = job.logits(job.dense.module, inputs.deep, inputs.wide, batch)
                     loss = loss_fn(logits, torch.from_numpy(batch.labels).to(logits.device))
                     loss.backward()
-                    pipeline.push(ready, inputs.gradients())
-                    job.dense.finish_step()
-                    train_seconds += time.perf_counter() - tick
-                    samples_this_run += batch.batch_size
-                    progress.update(step=progress["step"] + 1, epoch=epoch, next_batch=ready.index + 1,
-                                    samples=progress["samples"] + batch.batch_size * job.world)
-                    step = progress["step"]
-                    if reporter is not None:
-                        reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(),
-                                            batch.labels, batch.batch_size)
-                    if lockstep and cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                        pipeline.drain()
-                        dist.barrier()
-                        metrics = evaluate(job)
+                    step = progress["step"] + 1
+                    evaluate_now = lockstep and _due(cfg.train.eval_every, step)
+                    save_now = lockstep and _due(cfg.train.checkpoint_every, step)
+                    # no lookup between this update and the evaluation or checkpoint (a lookup
+                    # inserts keys): held before the push, so with sync they are deterministic
+                    with pipeline.held() if evaluate_now or save_now else contextlib.nullcontext():
+                        pipeline.push(ready, inputs.gradients())
+                        job.dense.finish_step()
+                        train_seconds += time.perf_counter() - tick
+                        samples_this_run += batch.batch_size
+                        progress.update(step=step, epoch=epoch, next_batch=ready.index + 1,
+                                        samples=progress["samples"] + batch.batch_size * job.world)
                         if reporter is not None:
-                            reporter.eval_result(step, metrics)
-                    if lockstep and cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                        _save(job, progress, pipeline)
+                            reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(),
+                                                batch.labels, batch.batch_size)
+                        if evaluate_now:
+                            pipeline.drain()
+                            dist.barrier()
+                            metrics = evaluate(job)
+                            if reporter is not None:
+                                reporter.eval_result(step, metrics)
+                        if save_now:
+                            _save(job, progress, pipeline)
                     if max_steps is not None and step >= max_steps:
                         done = True
                         break

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -63,6 +64,7 @@ class EmbeddingPipeline:
         self._ready: queue.Queue = queue.Queue(maxsize=tau + 1)
         self._pushes: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
+        self._pull_lock = threading.Lock()  # held by a lookup in flight, or by `held()`
         self._handed = 0  # batches given to the dense step (in order)
         self._acked = 0  # of those, batches whose update the PS acknowledged (pushes run in order)
         self._stop = threading.Event()
@@ -104,9 +106,10 @@ class EmbeddingPipeline:
                 while looked_up - self._acked > self.tau and not self._stop.is_set():
                     self._cond.wait(_POLL)
                 staleness = looked_up - self._acked
-            if self._stop.is_set():
-                return
-            pulled = client.pull(first, train=True)
+            with self._pull_lock:
+                if self._stop.is_set():
+                    return
+                pulled = client.pull(first, train=True)
             if pulled is None:
                 self.lost_batches += 1
                 continue
@@ -170,6 +173,15 @@ class EmbeddingPipeline:
         self._raise_if_failed()
         if not ok:
             raise TimeoutError(f"embedding updates still unacknowledged after {timeout}s")
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No lookup runs inside this block (one in flight is waited for). A lookup inserts keys,
+        so an evaluation or checkpoint taken here sees the PS exactly as the trained steps left
+        it; with sync, where the next lookup waits for the last update, that makes it
+        deterministic."""
+        with self._pull_lock:
+            yield
 
     def stats(self) -> dict:
         s = np.asarray(self.staleness or [0])
