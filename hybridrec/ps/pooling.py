@@ -3,7 +3,8 @@
 For each table, the IDs of the features it serves are laid end to end (feature by feature,
 each feature sample-major, as in `JaggedFeatures`) and deduplicated in order of first
 appearance (`BatchLayout`). Rows of the unique keys are pooled into bags of (feature, sample)
-with torch ops, so the pooling is differentiable: the embedding worker pools rows it fetched,
+with torch ops, one gather and one scatter-add per side over all its tables (`SideIndex`), so
+the pooling is differentiable: the embedding worker pools rows it fetched,
 and an NN worker that receives only the unique rows (the lossless wire mode) pools them itself
 and gets each unique row's gradient from autograd. `unpool` is the backward pass written out
 for the embedding worker: each ID's gradient is its bag's gradient times the bag's pooling
@@ -62,14 +63,34 @@ def table_bags(features: JaggedFeatures, names: list[str], feature_to_table: Map
     return out
 
 
-def pool(bags: TableBags, rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Pool `rows` (one per key of `bags`) into out[:, column, :] of each of its features
-    (differentiable in `rows`)."""
-    batch, _, dim = out.shape
-    pooled = torch.zeros(bags.bag_count, dim, dtype=torch.float32).index_add(0, bags.bag, rows)
-    if bags.scale is not None:
-        pooled = pooled * bags.scale.unsqueeze(1)
-    out[:, bags.columns, :] = pooled.view(len(bags.columns), batch, dim).transpose(0, 1)
+@dataclass(frozen=True)
+class SideIndex:
+    """One side (deep or wide) of a batch as single index tensors over all its tables, so that
+    pooling the side is one gather and one scatter-add, whatever the number of tables. Rows of
+    the side's tables are stacked in `tables` order; bag = output column * B + sample."""
+
+    tables: list[str]
+    rows: torch.Tensor  # int64[n]: each key's row in the stacked unique rows
+    bag: torch.Tensor  # int64[n]: each key's bag
+    scale: torch.Tensor | None  # float32[F * B] per bag (1 for sum tables), None if all sum
+
+
+def side_index(bags_list: list[TableBags], inverse: Mapping[str, torch.Tensor],
+               unique: Mapping[str, np.ndarray], batch_size: int, num_features: int) -> SideIndex:
+    rows, bag, base = [], [], 0
+    scale = None
+    if any(b.scale is not None for b in bags_list):
+        scale = np.ones((num_features, batch_size), dtype=np.float32)
+    for bags in bags_list:
+        rows.append(inverse[bags.table].numpy() + base)
+        base += len(unique[bags.table])
+        column = np.asarray(bags.columns, dtype=np.int64)
+        local = bags.bag.numpy()
+        bag.append(column[local // batch_size] * batch_size + local % batch_size)
+        if bags.scale is not None:
+            scale[column] = bags.scale.numpy().reshape(len(column), batch_size)
+    return SideIndex([b.table for b in bags_list], torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+                     torch.from_numpy(np.concatenate(bag)), None if scale is None else torch.from_numpy(scale.ravel()))
 
 
 @dataclass(frozen=True)
@@ -82,23 +103,27 @@ class BatchLayout:
     wide: list[TableBags]
     unique: dict[str, np.ndarray]  # table -> unique keys, first-seen order
     inverse: dict[str, torch.Tensor]  # table -> int64 index into unique[table] of each key of its bags
+    sides: tuple[SideIndex | None, SideIndex | None]  # deep, wide
 
     def tables(self) -> list[str]:
         return [bags.table for bags in self.deep + self.wide]
 
     def assemble(self, rows: Mapping[str, torch.Tensor], deep_dim: int) -> tuple[torch.Tensor | None,
                                                                                   torch.Tensor | None]:
-        """Deep [B, F, D] and wide [B, F] embeddings from the unique rows of each table."""
-        sides = []
-        for bags_list, dim in ((self.deep, deep_dim), (self.wide, 1)):
-            if not bags_list:
-                sides.append(None)
+        """Deep [B, F, D] and wide [B, F] embeddings from the unique rows of each table
+        (differentiable in `rows`; each bag sums its keys in position order, as `pool` does)."""
+        out = []
+        for side, dim in zip(self.sides, (deep_dim, 1)):
+            if side is None:
+                out.append(None)
                 continue
-            out = torch.zeros(self.batch_size, self.num_features, dim)
-            for bags in bags_list:
-                pool(bags, rows[bags.table].index_select(0, self.inverse[bags.table]), out)
-            sides.append(out)
-        deep, wide = sides
+            stacked = torch.cat([rows[table] for table in side.tables]) if len(side.tables) > 1 else rows[side.tables[0]]
+            pooled = torch.zeros(self.num_features * self.batch_size, dim, dtype=torch.float32)
+            pooled = pooled.index_add(0, side.bag, stacked.index_select(0, side.rows))
+            if side.scale is not None:
+                pooled = pooled * side.scale.unsqueeze(1)
+            out.append(pooled.view(self.num_features, self.batch_size, dim).transpose(0, 1))
+        deep, wide = out
         return deep, None if wide is None else wide.squeeze(2)
 
 
@@ -111,7 +136,9 @@ def batch_layout(features: JaggedFeatures, names: list[str], deep_map: Mapping[s
     for bags in deep + wide:
         unique[bags.table], index = first_seen_unique(bags.keys)
         inverse[bags.table] = torch.from_numpy(index)
-    return BatchLayout(features.batch_size, len(names), deep, wide, unique, inverse)
+    sides = tuple(side_index(bags_list, inverse, unique, features.batch_size, len(names)) if bags_list else None
+                  for bags_list in (deep, wide))
+    return BatchLayout(features.batch_size, len(names), deep, wide, unique, inverse, sides)
 
 
 def unpool(bags: TableBags, grad: torch.Tensor) -> np.ndarray:
