@@ -68,6 +68,9 @@ def test_pull_and_push_equal_the_local_collection_step_by_step(job):
         inputs = EmbeddingInputs(client.pull(first), batch.sparse, tables, requires_grad=True)
         np.testing.assert_allclose(inputs.deep.detach(), deep.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
         np.testing.assert_allclose(inputs.wide.detach(), wide.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
+        # both wire modes give the dense model [B, F, D] in memory order: with another layout its
+        # reductions add in another order, and the lossless mode would no longer train bit-identically
+        assert inputs.deep.is_contiguous() and inputs.wide.is_contiguous()
         grad_deep = torch.randn(deep.shape, generator=generator)
         grad_wide = torch.randn(wide.shape, generator=generator)
         ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()  # local optimizers run here

@@ -67,12 +67,14 @@ def table_bags(features: JaggedFeatures, names: list[str], feature_to_table: Map
 class SideIndex:
     """One side (deep or wide) of a batch as single index tensors over all its tables, so that
     pooling the side is one gather and one scatter-add, whatever the number of tables. Rows of
-    the side's tables are stacked in `tables` order; bag = output column * B + sample."""
+    the side's tables are stacked in `tables` order; bag = sample * F + output column, so the
+    pooled rows are [B, F, D] in memory order, exactly the layout of the pooled wire mode (the
+    dense model's reductions then add in the same order in both modes)."""
 
     tables: list[str]
     rows: torch.Tensor  # int64[n]: each key's row in the stacked unique rows
     bag: torch.Tensor  # int64[n]: each key's bag
-    scale: torch.Tensor | None  # float32[F * B] per bag (1 for sum tables), None if all sum
+    scale: torch.Tensor | None  # float32[B * F] per bag (1 for sum tables), None if all sum
 
 
 def side_index(bags_list: list[TableBags], inverse: Mapping[str, torch.Tensor],
@@ -80,15 +82,15 @@ def side_index(bags_list: list[TableBags], inverse: Mapping[str, torch.Tensor],
     rows, bag, base = [], [], 0
     scale = None
     if any(b.scale is not None for b in bags_list):
-        scale = np.ones((num_features, batch_size), dtype=np.float32)
+        scale = np.ones((batch_size, num_features), dtype=np.float32)
     for bags in bags_list:
         rows.append(inverse[bags.table].numpy() + base)
         base += len(unique[bags.table])
         column = np.asarray(bags.columns, dtype=np.int64)
-        local = bags.bag.numpy()
-        bag.append(column[local // batch_size] * batch_size + local % batch_size)
+        local = bags.bag.numpy()  # local feature * B + sample
+        bag.append((local % batch_size) * num_features + column[local // batch_size])
         if bags.scale is not None:
-            scale[column] = bags.scale.numpy().reshape(len(column), batch_size)
+            scale[:, column] = bags.scale.numpy().reshape(len(column), batch_size).T
     return SideIndex([b.table for b in bags_list], torch.from_numpy(np.concatenate(rows).astype(np.int64)),
                      torch.from_numpy(np.concatenate(bag)), None if scale is None else torch.from_numpy(scale.ravel()))
 
@@ -122,7 +124,7 @@ class BatchLayout:
             pooled = pooled.index_add(0, side.bag, stacked.index_select(0, side.rows))
             if side.scale is not None:
                 pooled = pooled * side.scale.unsqueeze(1)
-            out.append(pooled.view(self.num_features, self.batch_size, dim).transpose(0, 1))
+            out.append(pooled.view(self.batch_size, self.num_features, dim))
         deep, wide = out
         return deep, None if wide is None else wide.squeeze(2)
 
