@@ -46,20 +46,26 @@ def _scale(lengths: np.ndarray, pooling: str) -> torch.Tensor | None:
 
 
 def table_bags(features: JaggedFeatures, names: list[str], feature_to_table: Mapping[str, str],
-               pooling: Mapping[str, str]) -> list[TableBags]:
-    """How the features `names` (the stacked output's columns) fall onto their tables."""
+               pooling: Mapping[str, str], memo: dict | None = None) -> list[TableBags]:
+    """How the features `names` (the stacked output's columns) fall onto their tables. Tables
+    serving the same columns (a feature's deep and wide tables) share their keys and bags
+    through `memo`."""
+    memo = {} if memo is None else memo
     columns_of: dict[str, list[int]] = {}
     for column, name in enumerate(names):
         columns_of.setdefault(feature_to_table[name], []).append(column)
     lengths = features.lengths()
     out = []
     for table, columns in columns_of.items():
-        positions = [features.names.index(names[c]) for c in columns]
-        keys = np.concatenate([features.feature(names[c])[0] for c in columns])
-        table_lengths = lengths[positions].ravel()  # (local feature, sample) bags
-        bag = torch.repeat_interleave(torch.arange(len(table_lengths)), torch.from_numpy(table_lengths))
-        out.append(TableBags(table, np.ascontiguousarray(keys), bag, _scale(table_lengths, pooling[table]),
-                             columns, len(table_lengths)))
+        key = tuple(columns)
+        if key not in memo:
+            positions = [features.names.index(names[c]) for c in columns]
+            keys = np.ascontiguousarray(np.concatenate([features.feature(names[c])[0] for c in columns]))
+            table_lengths = lengths[positions].ravel()  # (local feature, sample) bags
+            bag = torch.repeat_interleave(torch.arange(len(table_lengths)), torch.from_numpy(table_lengths))
+            memo[key] = (keys, table_lengths, bag)
+        keys, table_lengths, bag = memo[key]
+        out.append(TableBags(table, keys, bag, _scale(table_lengths, pooling[table]), columns, len(table_lengths)))
     return out
 
 
@@ -132,12 +138,16 @@ class BatchLayout:
 def batch_layout(features: JaggedFeatures, names: list[str], deep_map: Mapping[str, str],
                  wide_map: Mapping[str, str], pooling: Mapping[str, str]) -> BatchLayout:
     """The layout of `features` for the stacked columns `names` (empty maps: no such side)."""
-    deep = table_bags(features, names, deep_map, pooling) if deep_map else []
-    wide = table_bags(features, names, wide_map, pooling) if wide_map else []
-    unique, inverse = {}, {}
+    shared: dict = {}  # a feature's deep and wide tables hold the same keys: computed once
+    deep = table_bags(features, names, deep_map, pooling, shared) if deep_map else []
+    wide = table_bags(features, names, wide_map, pooling, shared) if wide_map else []
+    unique, inverse, deduped = {}, {}, {}
     for bags in deep + wide:
-        unique[bags.table], index = first_seen_unique(bags.keys)
-        inverse[bags.table] = torch.from_numpy(index)
+        key = tuple(bags.columns)
+        if key not in deduped:
+            keys, index = first_seen_unique(bags.keys)
+            deduped[key] = (keys, torch.from_numpy(index))
+        unique[bags.table], inverse[bags.table] = deduped[key]
     sides = tuple(side_index(bags_list, inverse, unique, features.batch_size, len(names)) if bags_list else None
                   for bags_list in (deep, wide))
     return BatchLayout(features.batch_size, len(names), deep, wide, unique, inverse, sides)
