@@ -144,6 +144,7 @@ def _restore(job: _Job, resume: bool, overwrite: bool) -> dict:
         progress = {**record, "next_batch": record["next_batch_by_rank"][job.rank]}
         if job.rank == 0:
             job.ps.load(path / "embeddings")
+            print(f"nn worker: resumed from checkpoint {path} at step {progress['step']}", flush=True)
         state = read_dense(path)
     dist.barrier()
     job.dense = make_dense(job.cfg.strategy.discipline, job.model, job.cfg, job.ps)
