@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -353,9 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print("final " + json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), flush=True)
     finally:
+        # DDP's reducer sits in reference cycles: collect it (and the gloo work it holds) while the
+        # interpreter is alive; freed during finalisation, its tensors take the GIL and the process
+        # aborts ("terminate called without an active exception", SIGABRT after a finished job)
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the job is done and every file is written and closed: skip interpreter finalisation, where
+    # torch's C++ teardown has aborted finished NN workers now and then
+    os._exit(exit_code)
