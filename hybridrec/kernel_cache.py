@@ -32,8 +32,9 @@ def source_hash(root: Path = PACKAGE_ROOT) -> str:
 def cache_dir(root: Path = PACKAGE_ROOT) -> Path:
     """The kernel cache directory for the sources under `root` (created)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridrec" / "numba"
+    digest = source_hash(root)
     for parent in (base, Path(tempfile.gettempdir()) / "hybridrec-numba"):
-        path = parent / source_hash(root)
+        path = parent / digest
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError:

@@ -91,10 +91,24 @@ def test_bad_gradients_change_no_row(grads, message):
     ("admit_probability", 0.0, "admit_probability: must be >"),
     ("pooling", "max", "choose one of"),
     ("init", {"kind": "uniform", "low": 1, "high": 0}, "low must be < high"),
+    ("prefault", "yes", "prefault: must be true or false, got 'yes'"),
 ])
 def test_bad_table_config_names_the_parameter(field, value, message):
     with pytest.raises(ValueError, match=message):
         TableConfig(**{"dim": 4, "capacity": 10, field: value})
+
+
+def test_a_key_reads_one_row_at_all_its_positions_within_a_call():
+    """Admission is decided sighting by sighting, but a batch sees one consistent view: a key
+    admitted at its second sighting reads its row at the first position too."""
+    store = EmbeddingStore(dim=3, capacity=100, admit_min_frequency=2)
+    keys = np.array([7, 9, 7, 11], dtype=np.uint64)
+    rows = store.pull(keys)
+    assert store.stats()["size"] == 1  # 7 was seen twice; 9 and 11 once
+    np.testing.assert_array_equal(rows[0], rows[2])
+    assert rows[0].any() and not rows[1].any() and not rows[3].any()
+    found = store.lookup(keys, insert=False)
+    assert found.inverse[0] == found.inverse[2] >= 0 and found.inverse[1] == found.inverse[3] == -1
 
 
 def test_unknown_table_key_is_refused_with_the_closest_name():

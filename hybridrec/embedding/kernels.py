@@ -49,6 +49,7 @@ _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
+_FLOATS_PER_LINE = 16  # float32 values in a 64-byte cache line
 
 
 @njit(inline="always")
@@ -260,10 +261,13 @@ def _age_counts(r32, meta, parts, p):
 # ---------------------------------------------------------------- lookup
 
 @njit(cache=True, nogil=True)
-def _dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
-    """Batch-local unique keys of positions lo..hi (in first-seen order) with their multiplicity,
-    through a small open-addressing table that stays in L1/L2: the big index is then probed once
-    per distinct key, never per duplicate. Returns the number of distinct keys."""
+def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
+    """Unique keys of positions lo..hi (through `order` when it is not empty), in first-seen
+    order, with their hash and multiplicity, and each position's index among them
+    (local_inverse[j - lo]), through a small open-addressing table that stays in L1/L2. The
+    store probes its big index once per distinct key this way, never per duplicate; the PS
+    client and the wire layout use it too (`first_seen_unique`). Returns the number of distinct
+    keys."""
     n = hi - lo
     size = 16
     while size < 2 * n:
@@ -311,14 +315,13 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                       icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase):
     """Probe (and insert) the keys of partition p; returns (number of unique rows, error code).
 
-    Three passes: dedupe the batch's keys locally (`_dedupe`); probe each distinct key once in a
+    Three passes: dedupe the batch's keys locally (`dedupe`); probe each distinct key once in a
     software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row, metadata and LRU
     neighbours of the key PREFETCH_ROW ahead are requested from memory early, so their misses
     overlap instead of following one another); then map every position to its unique row. A key
     absent or refused admission reads as row -1 at every one of its positions."""
     meta = icfg[IC_META]
     kcol = meta // 2
-    dim = icfg[IC_DIM]
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
     s0 = parts[p, PT_SLOT_START]
@@ -328,9 +331,10 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     uhash = np.empty(n, np.uint64)
     mult = np.empty(n, np.int64)
     local_inverse = np.empty(n, np.int32)
-    nd = _dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse)
+    nd = dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse)
     row_of = np.empty(nd, np.int32)  # distinct key -> row (-1: absent / not admitted)
     slot_of = np.empty(nd, np.int32)  # distinct key -> unique index (-1 likewise)
+    guess_of = np.empty(nd, np.int32)  # the row in each key's home slot, read once for the prefetches
     nuniq = 0
     for u in range(nd):
         ahead = u + PREFETCH_SLOT
@@ -339,14 +343,15 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         ahead = u + PREFETCH_ROW
         if ahead < nd:
             guess = index[s0 + scale32(uhash[ahead], ns)]
+            guess_of[ahead] = guess
             if guess >= 0:
                 prefetch_row(r32, guess)
                 prefetch_row(rows, guess)
-                if width > 16:
+                if width > _FLOATS_PER_LINE:  # the optimizer state's line too, for the update
                     prefetch_cell(rows, guess, width - 1)
         ahead = u + PREFETCH_LINKS
-        if ahead < nd and not lfu and mode != MODE_FIND:
-            guess = index[s0 + scale32(uhash[ahead], ns)]
+        if PREFETCH_ROW <= ahead < nd and not lfu and mode != MODE_FIND:
+            guess = guess_of[ahead]
             if guess >= 0:  # the LRU neighbours this key's touch will relink
                 prv = r32[guess, meta + M_PREV]
                 nxt = r32[guess, meta + M_NEXT]

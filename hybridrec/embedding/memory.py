@@ -55,10 +55,10 @@ def unlink_shared(name: str) -> bool:
 
 def heap_array(shape, dtype) -> np.ndarray:
     """An uninitialised array. Pages are only backed by memory once touched, so untouched
-    capacity costs address space, not RAM, unless the table asks for `prefault`. (Transparent
-    huge pages were tried and dropped: with the kernel's default `defrag=madvise`, the first
-    touch of each 2 MB page stalled ~10 ms in direct compaction here, 20x the cost of 4 KB
-    faults for the same bytes; prefaulted, they were no faster than 4 KB pages.)"""
+    capacity costs address space, not RAM, unless the table asks for `prefault`. numpy advises
+    transparent huge pages for large arrays: touched lazily inside training steps, their first
+    touch stalled ~10 ms each in direct compaction here (`defrag=madvise`); prefaulted at
+    creation, they are 10-25% faster than 4 KB pages (docs/benchmarks.md)."""
     return np.empty(shape, dtype=dtype)
 
 

@@ -3,8 +3,8 @@
 Pooled parts ("deep" [B, F*D], "wide" [B, F]) become the inputs as they are. Unique rows (the
 lossless wire mode) are pooled here with the batch's `BatchLayout`, which this process
 computes from its own IDs exactly as the embedding worker did. Everything here runs in the
-training thread: torch work in the pipeline's feeder thread made NN workers abort at exit now
-and then ("terminate called without an active exception"). Either way the tensors that
+training thread, which keeps torch out of the pipeline's threads (once suspected of the aborts
+at exit that DDP's teardown turned out to cause, see nn_worker.main). Either way the tensors that
 came off the wire are autograd leaves, and `gradients()` hands back their gradients, by part
 name, for the push.
 """
@@ -16,7 +16,6 @@ import torch
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.parallel.embedding_client import Pulled
 from hybridrec.parallel.tables import JobTables
-from hybridrec.ps.pooling import batch_layout
 
 
 class EmbeddingInputs:
@@ -25,10 +24,7 @@ class EmbeddingInputs:
                        for name, part in pulled.parts.items()}
         shape = (pulled.batch_size, pulled.num_features)
         if pulled.layout == "unique":
-            pooling = {name: cfg.pooling for name, cfg in tables.all_tables().items()}
-            layout = batch_layout(features, tables.sparse_names, tables.deep_map, tables.wide_map, pooling)
-            deep_dim = next((cfg.dim for cfg in tables.deep.values()), 0)
-            self.deep, self.wide = layout.assemble(self.leaves, deep_dim)
+            self.deep, self.wide = tables.layout(features).assemble(self.leaves, tables.deep_dim)
         elif pulled.layout == "pooled":
             deep, wide = self.leaves.get("deep"), self.leaves.get("wide")
             self.deep = None if deep is None else deep.view(*shape, -1)

@@ -221,8 +221,7 @@ def train(cfg: JobConfig, ps_addresses: list[str], ew_addresses: list[str], *, r
                         break
                     batch = ready.batch
                     job.dense.begin_step()
-                    # torch work stays in this thread: torch ops in the feeder thread made the process
-                    # abort at exit now and then ("terminate called without an active exception")
+                    # torch work stays in this thread, out of the pipeline's feeder and pusher threads
                     inputs = EmbeddingInputs(ready.embeddings, batch.sparse, job.tables, requires_grad=True)
                     logits = job.logits(job.dense.module, inputs.deep, inputs.wide, batch)
                     loss = loss_fn(logits, torch.from_numpy(batch.labels).to(logits.device))

@@ -8,10 +8,13 @@ config trains the same model locally and distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from hybridrec.config import JobConfig
+from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding import TableConfig
 from hybridrec.models import model_class
+from hybridrec.ps.pooling import BatchLayout, batch_layout
 from hybridrec.train.data import data_layout
 from hybridrec.train.recmodel import embedding_tables
 
@@ -35,6 +38,19 @@ class JobTables:
     def all_tables(self) -> dict[str, TableConfig]:
         """Every table the PS servers host (wide tables are named '<table>:wide')."""
         return {**self.deep, **self.wide}
+
+    @property
+    def deep_dim(self) -> int:
+        """The deep side's embedding dimension (0 when the model has no deep side)."""
+        return next((cfg.dim for cfg in self.deep.values()), 0)
+
+    @cached_property
+    def pooling(self) -> dict[str, str]:
+        return {name: cfg.pooling for name, cfg in self.all_tables().items()}
+
+    def layout(self, features: JaggedFeatures) -> BatchLayout:
+        """Where a batch's IDs go, as the embedding worker and the NN workers both compute it."""
+        return batch_layout(features, self.sparse_names, self.deep_map, self.wide_map, self.pooling)
 
 
 def job_tables(cfg: JobConfig) -> JobTables:

@@ -28,37 +28,11 @@ from numba import njit
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, check_addresses, request_all
 from hybridrec.embedding import route
+from hybridrec.embedding import kernels as K
 from hybridrec.embedding.hashing import table_route_id
-from hybridrec.embedding.hashing import mix64
 from hybridrec.ps.dense import check_optimizer, check_tensors
 
-_EMPTY = np.int64(-1)
-
-
-@njit(cache=True, nogil=True)
-def _dedup(keys, slots, unique_keys, inverse):
-    """Unique keys in first-seen order + each key's index among them (open addressing).
-
-    `slots` is an int64 table of -1 whose length is a power of two larger than len(keys).
-    """
-    mask = np.int64(slots.shape[0] - 1)
-    num_unique = 0
-    for i in range(keys.shape[0]):
-        key = keys[i]
-        slot = np.int64(mix64(key) & np.uint64(mask))
-        while True:
-            u = slots[slot]
-            if u == _EMPTY:
-                slots[slot] = num_unique
-                unique_keys[num_unique] = key
-                inverse[i] = num_unique
-                num_unique += 1
-                break
-            if unique_keys[u] == key:
-                inverse[i] = u
-                break
-            slot = (slot + 1) & mask
-    return num_unique
+_NONE = np.empty(0, dtype=np.int64)  # no partitions, no reordering
 
 
 @njit(cache=True, nogil=True)
@@ -103,10 +77,13 @@ def first_seen_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Deterministic: two processes deduplicating the same keys agree on the order, so one can
     send rows for the unique keys and the other map them back without sending the index."""
-    slots = np.full(1 << max(4, int(2 * len(keys)).bit_length()), _EMPTY, dtype=np.int64)
-    unique_keys = np.empty(len(keys), dtype=np.uint64)
-    inverse = np.empty(len(keys), dtype=np.int64)
-    return unique_keys[:_dedup(keys, slots, unique_keys, inverse)], inverse
+    n = len(keys)
+    hashes = np.empty(n, dtype=np.uint64)
+    K.compute_partitions(keys, 1, hashes, _NONE)
+    unique_keys, inverse = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.int64)
+    count = K.dedupe(keys, hashes, _NONE, 0, n, unique_keys, np.empty(n, dtype=np.uint64),
+                     np.empty(n, dtype=np.int64), inverse)
+    return unique_keys[:count], inverse
 
 
 def shard_directory(directory: str | Path, shard: int, num_shards: int) -> Path:

@@ -41,7 +41,7 @@ from hybridrec.comm.transport import Message, Operation, Server, Service, check_
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.parallel.tables import JobTables
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.pooling import BatchLayout, batch_layout, unpool
+from hybridrec.ps.pooling import BatchLayout, unpool
 
 READY = "hybridrec-embedding-worker listening on "  # printed with the address once it serves
 SAMPLE_ID_RANK_SHIFT = 56  # a sample id's first byte is the embedding worker's rank
@@ -92,9 +92,7 @@ class EmbeddingWorker(Service):
         self._next_sample = 0
         self.counters = {"puts": 0, "pulls": 0, "pushes": 0, "dropped_batches": 0, "lost_pulls": 0,
                          "lost_pushes": 0, "dropped_updates": 0, "unacknowledged_pushes": 0}
-        self._pooling = {name: cfg.pooling for name, cfg in tables.all_tables().items()}
         self._dims = {name: cfg.dim for name, cfg in tables.all_tables().items()}
-        self._deep_dim = next((cfg.dim for cfg in tables.deep.values()), 0)
         operations = {
             "ping": Operation(self._ping),
             "put": Operation(self._put, arrays=None),
@@ -150,8 +148,7 @@ class EmbeddingWorker(Service):
 
     def _layout(self, entry: _Buffered) -> BatchLayout:
         if entry.layout is None:
-            t = self.tables
-            entry.layout = batch_layout(entry.features, t.sparse_names, t.deep_map, t.wide_map, self._pooling)
+            entry.layout = self.tables.layout(entry.features)
         return entry.layout
 
     def _pull(self, request: Message) -> Message:
@@ -171,7 +168,7 @@ class EmbeddingWorker(Service):
         if self.unique_rows:  # lossless: each unique row once; the NN worker pools (same layout, no index sent)
             parts = {table: rows[table] for table in layout.tables()}
         else:  # one pooled row per (sample, feature)
-            deep, wide = layout.assemble({t: torch.from_numpy(r) for t, r in rows.items()}, self._deep_dim)
+            deep, wide = layout.assemble({t: torch.from_numpy(r) for t, r in rows.items()}, self.tables.deep_dim)
             parts = {side: value.reshape(layout.batch_size, -1).numpy()
                      for side, value in (("deep", deep), ("wide", wide)) if value is not None}
         meta["parts"] = list(parts)
@@ -189,7 +186,7 @@ class EmbeddingWorker(Service):
             expected = {t: (len(layout.unique[t]), self._dims[t]) for t in layout.tables()}
         else:
             expected = {side: (layout.batch_size, layout.num_features * dim)
-                        for side, bags, dim in (("deep", layout.deep, self._deep_dim), ("wide", layout.wide, 1)) if bags}
+                        for side, bags, dim in (("deep", layout.deep, self.tables.deep_dim), ("wide", layout.wide, 1)) if bags}
         values = {}
         for name, shape in expected.items():
             if name not in request.meta:
