@@ -20,6 +20,7 @@ from numba.typed import List as NumbaList
 
 from . import group_kernels as GK
 from . import kernels as K
+from .memory import CACHE_LINE, aligned_empty
 from .store import EmbeddingStore, Lookup, check_keys
 from .table import TableConfig, closest_hint
 
@@ -48,11 +49,14 @@ def _locked(stores):
 class _TableGroup:
     """The fast path: tables that each serve one feature, probed and updated in one kernel call
     per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, rebuilt when a
-    store replaces one (its index grows)."""
+    store replaces one (its index grows). Scratch arrays that live only inside one kernel call
+    (key hashes, the unique rows' gradient) are kept between calls (`_scratch`): allocated anew
+    each step, their megabytes were page-faulted in again every time."""
 
     def __init__(self, stores: list):
         self.stores = stores
         self._indexes = None
+        self._scratch_arrays: dict[str, np.ndarray] = {}
         cfgs = [s.config for s in stores]
         self.icfg = np.stack([s.icfg for s in stores])
         self.fcfg = np.stack([s.fcfg for s in stores])
@@ -80,6 +84,14 @@ class _TableGroup:
             self.scalars_l = typed([s.scalars for s in st])
             self._indexes = indexes
 
+    def _scratch(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        """A reusable uninitialised array; callers hold the stores' locks while they use it."""
+        arr = self._scratch_arrays.get(name)
+        size = int(np.prod(shape))
+        if arr is None or arr.size < size or arr.dtype != dtype:
+            arr = self._scratch_arrays[name] = aligned_empty((max(size, 1),), dtype, CACHE_LINE)
+        return arr[:size].reshape(shape)
+
     def forward(self, features, where, names, bsz, dim, train):
         values = features.values
         seg_lo = np.array([where[n][0] for n in names], dtype=np.int64)
@@ -91,16 +103,16 @@ class _TableGroup:
             store._check_epoch()
         self._lists()
         n = values.shape[0]
-        hashes = np.empty(n, np.uint64)
-        K.compute_partitions(values, 1, hashes, _EMPTY)
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
         uniq_rows = np.empty(n, np.int32)
         uniq_keys = np.empty(n, np.uint64)
         nuniq = np.zeros(len(names), np.int64)
-        out = np.empty((bsz, len(names), dim), np.float32)
+        out = aligned_empty((bsz, len(names), dim), np.float32, CACHE_LINE)  # a 64-byte row, one line
         failed = np.zeros(len(names), np.int64)
         with _locked(self.stores):
+            hashes = self._scratch("hashes", (n,), np.uint64)
+            K.compute_partitions(values, 1, hashes, _EMPTY)
             GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz, self.rows_l,
                                   self.meta_l, self.meta64_l, self.index_l, self.parts_l, self.sketch_l,
                                   self.scalars_l, self.icfg, self.fcfg, self.seeds, self.pool_modes,
@@ -126,9 +138,9 @@ class _GroupPass:
     def backward(self, grad: np.ndarray) -> None:
         g = self.group
         g._lists()
-        ugrad = np.empty((self.inverse.shape[0], grad.shape[2]), np.float32)
         dropped = np.zeros(len(g.stores), np.int64)
         with _locked(g.stores):
+            ugrad = g._scratch("ugrad", (self.inverse.shape[0], grad.shape[2]), np.float32)
             ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz,
                                     g.rows_l, g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys,
                                     self.nuniq, ugrad, g.icfg, g.fcfg, g.opt_codes, g.opt_params, g.pool_modes,
@@ -264,7 +276,7 @@ class EmbeddingCollection(torch.nn.Module):
             if train:
                 tensor = _FusedEmbeddingFunction.apply(self._anchor, gpass, tensor)
             return [tensor]
-        outputs = [np.empty((bsz, len(g), self.dims[g[0]]), np.float32) for g in groups]
+        outputs = [aligned_empty((bsz, len(g), self.dims[g[0]]), np.float32, CACHE_LINE) for g in groups]
         slot = {n: (gi, ci) for gi, g in enumerate(groups) for ci, n in enumerate(g)}
         by_table: dict[str, list] = {}
         for n in names:

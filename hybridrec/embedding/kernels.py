@@ -567,6 +567,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
     dim = icfg[IC_DIM]
     meta = icfg[IC_META]
     kcol = meta // 2
+    width = rows.shape[1]
     wd = fcfg[FC_WEIGHT_DECAY]
     bound = fcfg[FC_WEIGHT_BOUND]
     lr = params[P_LR]
@@ -585,9 +586,13 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
     skipped = 0
     nu = uniq_rows.shape[0]
     for u in range(nu):
-        if u + PREFETCH_ROW < nu:
-            prefetch_row(rows, uniq_rows[u + PREFETCH_ROW])
-            prefetch_row(r32, uniq_rows[u + PREFETCH_ROW])
+        if u + PREFETCH_ROW < nu:  # the row's weight and state lines, and its metadata
+            ahead = uniq_rows[u + PREFETCH_ROW]
+            if ahead >= 0:
+                prefetch_row(rows, ahead)
+                if width > _FLOATS_PER_LINE:
+                    prefetch_cell(rows, ahead, width - 1)
+                prefetch_row(r32, ahead)
         r = uniq_rows[u]
         if r < 0 or r64[r, kcol] != uniq_keys[u]:
             skipped += 1

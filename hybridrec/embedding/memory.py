@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+CACHE_LINE = 64  # bytes
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,120}$")
 CONFIG_FILE = "store.json"
 
@@ -53,13 +54,25 @@ def unlink_shared(name: str) -> bool:
     return False
 
 
+def aligned_empty(shape, dtype, alignment: int = mmap.PAGESIZE) -> np.ndarray:
+    """An uninitialised C-contiguous array whose first byte sits on an `alignment` boundary.
+    numpy's own large arrays start 16 bytes past a page (the allocator's header), so a 64-byte
+    row there straddles two cache lines and a 128-byte row three: every random row access paid
+    an extra line. Aligned, a row of whole lines costs exactly its lines."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def heap_array(shape, dtype) -> np.ndarray:
-    """An uninitialised array. Pages are only backed by memory once touched, so untouched
-    capacity costs address space, not RAM, unless the table asks for `prefault`. numpy advises
-    transparent huge pages for large arrays: touched lazily inside training steps, their first
-    touch stalled ~10 ms each in direct compaction here (`defrag=madvise`); prefaulted at
+    """An uninitialised page-aligned array. Pages are only backed by memory once touched, so
+    untouched capacity costs address space, not RAM, unless the table asks for `prefault`. numpy
+    advises transparent huge pages for large arrays: touched lazily inside training steps, their
+    first touch stalled ~10 ms each in direct compaction here (`defrag=madvise`); prefaulted at
     creation, they are 10-25% faster than 4 KB pages (docs/benchmarks.md)."""
-    return np.empty(shape, dtype=dtype)
+    return aligned_empty(shape, dtype)
 
 
 def _touch_pages(arr: np.ndarray) -> None:
