@@ -6,7 +6,9 @@ import torch
 
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding import EmbeddingStore, TableConfig
+from hybridrec.embedding import kernels as K
 from hybridrec.embedding.collection import EmbeddingCollection
+from hybridrec.embedding.memory import CACHE_LINE, aligned_empty
 
 SGD = {"name": "sgd", "lr": 1.0}
 
@@ -151,12 +153,13 @@ def test_nan_gradient_is_refused_and_changes_no_row():
         assert s.step == 0
 
 
-def test_one_hot_features_pool_to_exactly_their_rows():
+@pytest.mark.parametrize("dim", [3, 16])  # 16: one cache line per row, written with streaming stores
+def test_one_hot_features_pool_to_exactly_their_rows(dim):
     rng = np.random.default_rng(4)
     names = ["a", "b", "c"]
-    coll = EmbeddingCollection({n: TableConfig(dim=3, capacity=100, seed=i, admit_min_frequency=2)
+    coll = EmbeddingCollection({n: TableConfig(dim=dim, capacity=100, seed=i, admit_min_frequency=2)
                                 for i, n in enumerate(names)})
-    refs = [EmbeddingStore(dim=3, capacity=100, seed=i, admit_min_frequency=2) for i in range(3)]
+    refs = [EmbeddingStore(dim=dim, capacity=100, seed=i, admit_min_frequency=2) for i in range(3)]
     for _ in range(4):
         lists = [[[int(k)] for k in rng.integers(0, 30, size=8)] for _ in names]
         out = coll.forward_stacked(_features(names, lists))
@@ -165,8 +168,27 @@ def test_one_hot_features_pool_to_exactly_their_rows():
             keys = np.array([ids[0] for ids in lists[t]], dtype=np.uint64)
             found = store.lookup(keys)
             # an ID not yet admitted at its lookup (seen once) reads as zeros and gets no gradient
-            expect = np.where(found.rows[:, None] >= 0, store.rows[np.maximum(found.rows, 0), :3], 0.0)
+            expect = np.where(found.rows[:, None] >= 0, store.rows[np.maximum(found.rows, 0), :dim], 0.0)
             np.testing.assert_allclose(out[:, t].detach().numpy(), expect, rtol=1e-6, atol=1e-7)
-            ugrad = np.zeros((found.num_unique, 3), np.float32)
+            ugrad = np.zeros((found.num_unique, dim), np.float32)
             np.add.at(ugrad, found.inverse[found.inverse >= 0], 1.0)
             store.apply(found, ugrad)
+
+
+def test_streamed_pooling_writes_the_same_rows_as_plain_stores():
+    """gather_pool copies one-hot dim-16 rows with non-temporal stores only into a line-aligned
+    output; any other layout takes the plain copy, and both give the same values."""
+    rng = np.random.default_rng(5)
+    rows = aligned_empty((64, 32), np.float32, CACHE_LINE)
+    rows[:] = rng.standard_normal(rows.shape).astype(np.float32)
+    row_ids = rng.integers(-1, 64, size=40).astype(np.int32)  # -1: a missing row reads as zeros
+    offsets = np.arange(41, dtype=np.int64)
+    aligned = aligned_empty((40, 3, 16), np.float32, CACHE_LINE)
+    shifted = aligned_empty((40 * 3 * 16 + 4,), np.float32, CACHE_LINE)[4:].reshape(40, 3, 16)
+    assert K._can_stream(rows, aligned) and not K._can_stream(rows, shifted)
+    expect = np.where(row_ids[:, None] >= 0, rows[np.maximum(row_ids, 0), :16], 0.0)
+    for out in (aligned, shifted):
+        out[:] = np.nan
+        K.gather_pool(rows, row_ids, offsets, 0, out, 1)
+        np.testing.assert_array_equal(out[:, 1], expect)
+        assert np.isnan(out[:, [0, 2]]).all()  # the other columns are untouched

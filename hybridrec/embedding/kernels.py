@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
-from .prefetch import prefetch_cell, prefetch_row
+from .cache_hints import LINE_FLOATS, prefetch_cell, prefetch_row, store_fence, stream_line
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 
 # metadata columns, relative to the meta offset (int32 view)
@@ -49,7 +49,6 @@ _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
-_FLOATS_PER_LINE = 16  # float32 values in a 64-byte cache line
 
 
 @njit(inline="always")
@@ -347,7 +346,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             if guess >= 0:
                 prefetch_row(r32, guess)
                 prefetch_row(rows, guess)
-                if width > _FLOATS_PER_LINE:  # the optimizer state's line too, for the update
+                if width > LINE_FLOATS:  # the optimizer state's line too, for the update
                     prefetch_cell(rows, guess, width - 1)
         ahead = u + PREFETCH_LINKS
         if PREFETCH_ROW <= ahead < nd and not lfu and mode != MODE_FIND:
@@ -465,13 +464,23 @@ def _pool_scale(n, mode):
     return np.float32(1.0)
 
 
+@njit(inline="always")
+def _can_stream(rows, out):
+    """Whether gather_pool may write out[b, col] rows with `stream_line`: one 64-byte line each,
+    every one starting on a line boundary, both last dimensions contiguous."""
+    return (out.shape[2] == LINE_FLOATS and out.strides[2] == 4 and rows.strides[1] == 4
+            and out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0 and out.strides[1] % 64 == 0)
+
+
 @njit(cache=True, nogil=True)
 def gather_pool(rows, row_ids, offsets, mode, out, col):
     """out[b, col] = pool(rows[row_ids[offsets[b]:offsets[b+1]]]); mode 0 sum, 1 mean, 2 sqrt-n.
     `out` is [B, C, dim] (C-contiguous, so the inner copy vectorises). Missing rows (-1: absent or
-    not admitted) read as zeros."""
+    not admitted) read as zeros. One-hot bags of a dim-16 table are copied with non-temporal
+    stores when the layout allows (cache_hints.py)."""
     dim = out.shape[2]
     nb = out.shape[0]
+    stream = _can_stream(rows, out)
     for b in range(nb):
         ahead = offsets[min(b + PREFETCH_ROW, nb)]
         if ahead < row_ids.shape[0] and row_ids[ahead] >= 0:
@@ -480,7 +489,9 @@ def gather_pool(rows, row_ids, offsets, mode, out, col):
         end = offsets[b + 1]
         if end - start == 1:  # one-hot: a copy
             r = row_ids[start]
-            if r >= 0:
+            if r >= 0 and stream:
+                stream_line(out, b, col, rows, r)
+            elif r >= 0:
                 for d in range(dim):
                     out[b, col, d] = rows[r, d]
             else:
@@ -498,6 +509,8 @@ def gather_pool(rows, row_ids, offsets, mode, out, col):
         if scale != 1.0:
             for d in range(dim):
                 out[b, col, d] *= scale
+    if stream:
+        store_fence()
 
 
 @njit(cache=True, nogil=True)
@@ -590,7 +603,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
             ahead = uniq_rows[u + PREFETCH_ROW]
             if ahead >= 0:
                 prefetch_row(rows, ahead)
-                if width > _FLOATS_PER_LINE:
+                if width > LINE_FLOATS:
                     prefetch_cell(rows, ahead, width - 1)
                 prefetch_row(r32, ahead)
         r = uniq_rows[u]
