@@ -153,7 +153,7 @@ def test_nan_gradient_is_refused_and_changes_no_row():
         assert s.step == 0
 
 
-@pytest.mark.parametrize("dim", [3, 16])  # 16: one cache line per row, written with streaming stores
+@pytest.mark.parametrize("dim", [3, 16, 32])  # 16, 32: whole cache lines, written with streaming stores
 def test_one_hot_features_pool_to_exactly_their_rows(dim):
     rng = np.random.default_rng(4)
     names = ["a", "b", "c"]
@@ -176,19 +176,20 @@ def test_one_hot_features_pool_to_exactly_their_rows(dim):
 
 
 def test_streamed_pooling_writes_the_same_rows_as_plain_stores():
-    """gather_pool copies one-hot dim-16 rows with non-temporal stores only into a line-aligned
-    output; any other layout takes the plain copy, and both give the same values."""
+    """gather_pool copies one-hot rows of whole lines (dim 16, 32) with non-temporal stores only into
+    a line-aligned output; any other layout takes the plain copy, and both give the same values."""
     rng = np.random.default_rng(5)
-    rows = aligned_empty((64, 32), np.float32, CACHE_LINE)
+    rows = aligned_empty((64, 64), np.float32, CACHE_LINE)
     rows[:] = rng.standard_normal(rows.shape).astype(np.float32)
     row_ids = rng.integers(-1, 64, size=40).astype(np.int32)  # -1: a missing row reads as zeros
     offsets = np.arange(41, dtype=np.int64)
-    aligned = aligned_empty((40, 3, 16), np.float32, CACHE_LINE)
-    shifted = aligned_empty((40 * 3 * 16 + 4,), np.float32, CACHE_LINE)[4:].reshape(40, 3, 16)
-    assert K._can_stream(rows, aligned) and not K._can_stream(rows, shifted)
-    expect = np.where(row_ids[:, None] >= 0, rows[np.maximum(row_ids, 0), :16], 0.0)
-    for out in (aligned, shifted):
-        out[:] = np.nan
-        K.gather_pool(rows, row_ids, offsets, 0, out, 1)
-        np.testing.assert_array_equal(out[:, 1], expect)
-        assert np.isnan(out[:, [0, 2]]).all()  # the other columns are untouched
+    for dim in (16, 32):
+        aligned = aligned_empty((40, 3, dim), np.float32, CACHE_LINE)
+        shifted = aligned_empty((40 * 3 * dim + 4,), np.float32, CACHE_LINE)[4:].reshape(40, 3, dim)
+        assert K._can_stream(rows, aligned) and not K._can_stream(rows, shifted)
+        expect = np.where(row_ids[:, None] >= 0, rows[np.maximum(row_ids, 0), :dim], 0.0)
+        for out in (aligned, shifted):
+            out[:] = np.nan
+            K.gather_pool(rows, row_ids, offsets, 0, out, 1)
+            np.testing.assert_array_equal(out[:, 1], expect)
+            assert np.isnan(out[:, [0, 2]]).all()  # the other columns are untouched

@@ -66,29 +66,31 @@ LINE_FLOATS = 16  # float32 values in a 64-byte line
 
 
 @intrinsic
-def stream_line(typingctx, dst, b, col, src, src_row):
-    """dst[b, col, 0:16] = src[src_row, 0:16] (float32; dst 3-d, src 2-d) as one non-temporal
-    64-byte store. The caller checks that dst[b, col] starts on a 64-byte boundary and that both
-    last dimensions are contiguous (`can_stream`)."""
+def stream_line(typingctx, dst, b, col, src, src_row, line):
+    """dst[b, col, 16*line : 16*line+16] = src[src_row, 16*line : 16*line+16] (float32; dst 3-d,
+    src 2-d) as one non-temporal 64-byte store. The caller checks that dst[b, col] starts on a
+    64-byte boundary and that both last dimensions are contiguous (`kernels._can_stream`)."""
     ok = (isinstance(dst, types.Array) and dst.ndim == 3 and dst.dtype == types.float32
           and isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.float32
-          and all(isinstance(i, types.Integer) for i in (b, col, src_row)))
+          and all(isinstance(i, types.Integer) for i in (b, col, src_row, line)))
     if not ok:
         return None
-    sig = types.void(dst, b, col, src, src_row)
+    sig = types.void(dst, b, col, src, src_row, line)
 
     def codegen(context, builder, signature, args):
-        d_ty, b_ty, c_ty, s_ty, r_ty = signature.args
-        zero = context.get_constant(types.intp, 0)
+        d_ty, b_ty, c_ty, s_ty, r_ty, l_ty = signature.args
+        offset = builder.mul(context.cast(builder, args[5], l_ty, types.intp),
+                             context.get_constant(types.intp, LINE_FLOATS))
         d_arr = context.make_array(d_ty)(context, builder, args[0])
         s_arr = context.make_array(s_ty)(context, builder, args[3])
-        d_idx = [context.cast(builder, args[1], b_ty, types.intp), context.cast(builder, args[2], c_ty, types.intp), zero]
-        s_idx = [context.cast(builder, args[4], r_ty, types.intp), zero]
+        d_idx = [context.cast(builder, args[1], b_ty, types.intp), context.cast(builder, args[2], c_ty, types.intp),
+                 offset]
+        s_idx = [context.cast(builder, args[4], r_ty, types.intp), offset]
         d_ptr = cgutils.get_item_pointer(context, builder, d_ty, d_arr, d_idx, wraparound=False)
         s_ptr = cgutils.get_item_pointer(context, builder, s_ty, s_arr, s_idx, wraparound=False)
-        line = ir.VectorType(ir.FloatType(), LINE_FLOATS)
-        value = builder.load(builder.bitcast(s_ptr, line.as_pointer()), align=4)
-        store = builder.store(value, builder.bitcast(d_ptr, line.as_pointer()), align=64)
+        vector = ir.VectorType(ir.FloatType(), LINE_FLOATS)
+        value = builder.load(builder.bitcast(s_ptr, vector.as_pointer()), align=4)
+        store = builder.store(value, builder.bitcast(d_ptr, vector.as_pointer()), align=64)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
 

@@ -466,9 +466,9 @@ def _pool_scale(n, mode):
 
 @njit(inline="always")
 def _can_stream(rows, out):
-    """Whether gather_pool may write out[b, col] rows with `stream_line`: one 64-byte line each,
-    every one starting on a line boundary, both last dimensions contiguous."""
-    return (out.shape[2] == LINE_FLOATS and out.strides[2] == 4 and rows.strides[1] == 4
+    """Whether gather_pool may write out[b, col] rows with `stream_line`: whole 64-byte lines
+    (dim a multiple of 16), every row starting on a line boundary, both last dimensions contiguous."""
+    return (out.shape[2] % LINE_FLOATS == 0 and out.strides[2] == 4 and rows.strides[1] == 4
             and out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0 and out.strides[1] % 64 == 0)
 
 
@@ -476,8 +476,8 @@ def _can_stream(rows, out):
 def gather_pool(rows, row_ids, offsets, mode, out, col):
     """out[b, col] = pool(rows[row_ids[offsets[b]:offsets[b+1]]]); mode 0 sum, 1 mean, 2 sqrt-n.
     `out` is [B, C, dim] (C-contiguous, so the inner copy vectorises). Missing rows (-1: absent or
-    not admitted) read as zeros. One-hot bags of a dim-16 table are copied with non-temporal
-    stores when the layout allows (cache_hints.py)."""
+    not admitted) read as zeros. One-hot bags of a table whose dim is a multiple of 16 are copied
+    with non-temporal stores when the layout allows (cache_hints.py)."""
     dim = out.shape[2]
     nb = out.shape[0]
     stream = _can_stream(rows, out)
@@ -490,7 +490,8 @@ def gather_pool(rows, row_ids, offsets, mode, out, col):
         if end - start == 1:  # one-hot: a copy
             r = row_ids[start]
             if r >= 0 and stream:
-                stream_line(out, b, col, rows, r)
+                for line in range(dim // LINE_FLOATS):
+                    stream_line(out, b, col, rows, r, line)
             elif r >= 0:
                 for d in range(dim):
                     out[b, col, d] = rows[r, d]
