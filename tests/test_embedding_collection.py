@@ -8,7 +8,8 @@ from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding import kernels as K
 from hybridrec.embedding.collection import EmbeddingCollection
-from hybridrec.embedding.memory import CACHE_LINE, aligned_empty
+from hybridrec.embedding.cache_hints import CACHE_LINE
+from hybridrec.embedding.memory import aligned_empty
 
 SGD = {"name": "sgd", "lr": 1.0}
 

@@ -62,7 +62,8 @@ def prefetch_cell(typingctx, array, row, col):
     return sig, codegen
 
 
-LINE_FLOATS = 16  # float32 values in a 64-byte line
+CACHE_LINE = 64  # bytes in a CPU cache line (x86-64 and most arm64 cores)
+LINE_FLOATS = CACHE_LINE // 4  # float32 values in a line
 
 
 @intrinsic

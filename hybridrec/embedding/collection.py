@@ -20,7 +20,8 @@ from numba.typed import List as NumbaList
 
 from . import group_kernels as GK
 from . import kernels as K
-from .memory import CACHE_LINE, aligned_empty
+from .cache_hints import CACHE_LINE
+from .memory import aligned_empty
 from .store import EmbeddingStore, Lookup, check_keys
 from .table import TableConfig, closest_hint
 

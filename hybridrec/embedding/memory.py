@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE_LINE = 64  # bytes
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,120}$")
 CONFIG_FILE = "store.json"
 

@@ -119,7 +119,8 @@ class BatchLayout:
     def assemble(self, rows: Mapping[str, torch.Tensor], deep_dim: int) -> tuple[torch.Tensor | None,
                                                                                   torch.Tensor | None]:
         """Deep [B, F, D] and wide [B, F] embeddings from the unique rows of each table
-        (differentiable in `rows`; each bag sums its keys in position order, as `pool` does)."""
+        (differentiable in `rows`; each bag sums its keys in position order, so the embedding worker's
+        pooled mode and an NN worker pooling unique rows itself give bit-identical inputs)."""
         out = []
         for side, dim in zip(self.sides, (deep_dim, 1)):
             if side is None:
