@@ -1,11 +1,13 @@
 """Capacity, eviction and admission invariants of EmbeddingStore under random operation
 sequences (hypothesis), checked against a plain Python model where the policy is exact."""
+import tempfile
 from collections import OrderedDict
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from hybridrec.embedding import EmbeddingStore
+from hybridrec.embedding.store import S_EPOCH
 
 KEYS = st.integers(min_value=0, max_value=40).map(lambda k: (k * 0x9E3779B97F4A7C15) % 2**64)
 BATCHES = st.lists(st.lists(KEYS, min_size=1, max_size=6), min_size=1, max_size=40)
@@ -22,6 +24,18 @@ def _check_index(store):
         assert len(np.unique(found.rows)) == len(keys)
 
 
+def _use_in_lru_model(model: OrderedDict, batch: list, capacity: int) -> None:
+    """A training lookup of `batch` in the Python model: first occurrences, in order, become the
+    most recently used; a new key evicts the least recently used one when the model is full."""
+    for k in dict.fromkeys(batch):
+        if k in model:
+            model.move_to_end(k)
+        else:
+            if len(model) == capacity:
+                model.popitem(last=False)
+            model[k] = True
+
+
 @settings(max_examples=60, deadline=None)
 @given(batches=BATCHES, capacity=st.integers(6, 12))
 def test_lru_matches_a_python_lru_model(batches, capacity):
@@ -31,16 +45,37 @@ def test_lru_matches_a_python_lru_model(batches, capacity):
     for batch in batches:
         keys = np.array(batch, dtype=np.uint64)
         store.lookup(keys)
-        for k in dict.fromkeys(batch):  # first occurrences, in order
-            if k in model:
-                model.move_to_end(k)
-            else:
-                if len(model) == capacity:
-                    model.popitem(last=False)
-                model[k] = True
+        _use_in_lru_model(model, batch, capacity)
         assert set(store.keys().tolist()) == set(model)
         _check_index(store)
     assert store.rows.shape == rows_shape  # memory never grows
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["train", "train", "read", "reload"]),
+                         st.lists(KEYS, min_size=1, max_size=6)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, capacity=st.integers(6, 12))
+def test_lru_order_ignores_reads_and_survives_checkpoints(ops, capacity):
+    """Read-only lookups do not refresh recency, and a checkpoint round trip keeps the order,
+    both before a partition's first eviction (when the order lives in the rows' stamps) and after
+    (when the LRU list is kept)."""
+    store = EmbeddingStore(dim=2, capacity=capacity, eviction="lru")
+    model = OrderedDict()
+    for op, batch in ops:
+        keys = np.array(batch, dtype=np.uint64)
+        if op == "read":
+            store.lookup(keys, insert=False)
+        elif op == "reload":
+            with tempfile.TemporaryDirectory() as directory:
+                store.save(directory)
+                store = EmbeddingStore.load(directory)
+        else:
+            store.lookup(keys)
+            _use_in_lru_model(model, batch, capacity)
+        assert set(store.keys().tolist()) == set(model)
+    _check_index(store)
 
 
 @settings(max_examples=40, deadline=None)
@@ -114,3 +149,17 @@ def test_batch_with_more_distinct_keys_than_capacity_is_refused():
         assert "capacity 8" in str(exc)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_lru_order_survives_the_restart_of_the_epoch_count():
+    """Stamps are int32, so the epoch count restarts near 2**31 and every stamp is zeroed; the
+    recency they held must be carried into the LRU list first."""
+    store = EmbeddingStore(dim=2, capacity=8, eviction="lru")
+    for key in range(1, 9):  # rows 0..7 hold keys 1..8
+        store.lookup(np.array([key], np.uint64))
+    for key in range(8, 1, -1):  # least recent now: 1, then 8, 7, ..., 2
+        store.lookup(np.array([key], np.uint64))
+    store.scalars[S_EPOCH] = 2**31 - 2
+    for key in (100, 101, 102):
+        store.lookup(np.array([key], np.uint64))
+    assert set(store.keys().tolist()) == {2, 3, 4, 5, 6, 100, 101, 102}

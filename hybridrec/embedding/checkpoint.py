@@ -155,7 +155,7 @@ def insert_rows(store: EmbeddingStore, rows: np.ndarray, meta: np.ndarray) -> No
     used first, so that if they do not all fit, the most recently used ones are kept."""
     if len(rows) == 0:
         return
-    order = np.argsort(meta[:, K.M_STAMP], kind="stable")
+    order = np.lexsort((meta[:, K.M_SLOT], meta[:, K.M_STAMP]))  # last training use, oldest first
     rows, meta = rows[order], meta[order]
     keys = np.ascontiguousarray(meta.view(np.uint64)[:, 0])
     chunk = max(1, store.config.capacity // max(store.nparts, 1) // 2)

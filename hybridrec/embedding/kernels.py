@@ -1,16 +1,21 @@
 """Numba kernels of the embedding store: probe/insert, eviction, pooling, gradient scatter and
 fused optimizer updates. No Python runs per ID; `store.py` only validates and calls these.
 
-Memory layout (one contiguous float32 array `rows` of shape [capacity, width], Persia §4.2.2):
-    [0, dim)            embedding
-    [dim, dim+state)    optimizer state
-    [meta, meta+8)      metadata, viewed as other dtypes of the same bytes:
-        key (uint64, 2 slots) | lru prev | lru next | access count | clock | stamp | batch slot
-`r32` is `rows.view(int32)` and `r64` is `rows.view(uint64)`; the key sits at column meta//2 of r64.
-`index` is an int32 open-addressing (linear probing) table of row numbers, -1 = empty, with
-backward-shift deletion (no tombstones). The store is split into partitions (one per thread,
-Persia's per-thread subsets): partition p owns a range of rows, a range of index slots, and its
-own LRU list; its bookkeeping is the int64 row parts[p].
+Memory layout (Persia §4.2.2): `rows` is one contiguous float32 array [capacity, width], each row
+[embedding (dim) | optimizer state]; `meta` is an int32 array [capacity, 8] beside it, one 32-byte
+record per row: key (uint64, 2 slots) | lru prev | lru next | access count | clock | stamp | slot.
+`r32` is that int32 array and `r64` its uint64 view (the key is column meta//2 of r64). `stamp`
+and `slot` say when a row was last used for training: the lookup call (epoch) and its place among
+that call's unique rows. `index` is an int32 open-addressing (linear probing) table of row
+numbers, -1 = empty, with backward-shift deletion (no tombstones). The store is split into
+partitions (one per thread, Persia's per-thread subsets): partition p owns a range of rows, a
+range of index slots, and its own LRU list; its bookkeeping is the int64 row parts[p].
+
+The LRU list is kept only once a partition has been full. Until then nothing is evicted, so
+nobody reads the list, and keeping it in order cost 6-7 ns per lookup (unlinking a touched row
+reads and writes the metadata of two random neighbours). When the partition first needs a victim,
+`link_lru_from_stamps` builds the list from the rows' (stamp, slot), which is exactly the order
+the kept list would have, and from then on every use relinks as before.
 """
 import numpy as np
 from numba import njit, prange
@@ -26,6 +31,7 @@ META_WIDTH = 8
 # parts[p, *]
 PT_ROW_START, PT_ROW_COUNT, PT_SLOT_START, PT_SLOT_COUNT, PT_SIZE, PT_HEAD, PT_TAIL = 0, 1, 2, 3, 4, 5, 6
 PT_EVICTED, PT_REJECTED, PT_RNG, PT_INSERTED = 7, 8, 9, 10
+PT_LRU_KEPT = 11  # 1 once partition p's LRU list is kept up to date (it has been full), else 0
 PARTS_WIDTH = 12
 
 # icfg[*]: integer configuration read by kernels
@@ -124,6 +130,25 @@ def _lru_touch(r32, meta, parts, p, r):
     if parts[p, PT_HEAD] != r:
         _lru_unlink(r32, meta, parts, p, r)
         _lru_push_head(r32, meta, parts, p, r)
+
+
+@njit(cache=True, nogil=True)
+def link_lru_from_stamps(r32, meta, parts, p):
+    """(Re)build partition p's LRU list from its live rows' last training use, least recent at
+    the tail: by stamp (lookup call), then by slot (first-seen order within that call), the order
+    in which a kept list would have been relinked. Marks the list as kept from now on."""
+    start = parts[p, PT_ROW_START]
+    size = parts[p, PT_SIZE]
+    last_use = np.empty(size, np.int64)
+    for i in range(size):
+        r = start + i
+        last_use[i] = (np.int64(r32[r, meta + M_STAMP]) << 32) | (np.int64(r32[r, meta + M_SLOT]) & 0xFFFFFFFF)
+    order = np.argsort(last_use, kind="mergesort")
+    parts[p, PT_HEAD] = -1
+    parts[p, PT_TAIL] = -1
+    for i in range(size):
+        _lru_push_head(r32, meta, parts, p, start + order[i])
+    parts[p, PT_LRU_KEPT] = 1
 
 
 # ---------------------------------------------------------------- hash index
@@ -323,6 +348,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     kcol = meta // 2
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
+    linked = not lfu and mode != MODE_FIND and parts[p, PT_LRU_KEPT] == 1  # relink each use
     s0 = parts[p, PT_SLOT_START]
     ns = parts[p, PT_SLOT_COUNT]
     n = hi - lo
@@ -349,7 +375,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 if width > LINE_FLOATS:  # the optimizer state's line too, for the update
                     prefetch_cell(rows, guess, width - 1)
         ahead = u + PREFETCH_LINKS
-        if PREFETCH_ROW <= ahead < nd and not lfu and mode != MODE_FIND:
+        if PREFETCH_ROW <= ahead < nd and linked:
             guess = guess_of[ahead]
             if guess >= 0:  # the LRU neighbours this key's touch will relink
                 prv = r32[guess, meta + M_PREV]
@@ -376,6 +402,9 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 if lfu:
                     r = _lfu_victim(r32, meta, parts, p, epoch)
                 else:
+                    if not linked:  # the first eviction of this partition
+                        link_lru_from_stamps(r32, meta, parts, p)
+                        linked = True
                     r = parts[p, PT_TAIL]
                     if r32[r, meta + M_STAMP] == epoch:
                         r = -1
@@ -383,7 +412,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                     return nuniq, ERR_FULL
                 _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
                                                        _index_hash(r64[r, kcol])), s0, ns)
-                if not lfu:
+                if linked:
                     _lru_unlink(r32, meta, parts, p, r)
                 parts[p, PT_EVICTED] += 1
                 slot = _probe(index, r64, kcol, key, s0, ns, h)
@@ -392,18 +421,18 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             _init_row(rows, r, key, seed, icfg, fcfg)
             r32[r, meta + M_COUNT] = 0
             r32[r, meta + M_CLOCK] = 0
-            if not lfu:
+            if linked:
                 _lru_push_head(r32, meta, parts, p, r)
             parts[p, PT_INSERTED] += 1
-        elif mode != MODE_FIND and not lfu:
+        elif linked:
             _lru_touch(r32, meta, parts, p, r)
-        if mode != MODE_FIND:
+        if mode != MODE_FIND:  # a training use: read-only lookups leave recency and counts alone
             c = r32[r, meta + M_COUNT] + mult[u]
             r32[r, meta + M_COUNT] = c
             if c >= _COUNT_CEILING:
                 _age_counts(r32, meta, parts, p)
-        r32[r, meta + M_STAMP] = epoch  # in use by this batch: not evictable until the next
-        r32[r, meta + M_SLOT] = ubase + nuniq
+            r32[r, meta + M_STAMP] = epoch  # in use by this batch: not evictable until the next
+            r32[r, meta + M_SLOT] = ubase + nuniq
         uniq_rows[ubase + nuniq] = r
         row_of[u] = r
         slot_of[u] = ubase + nuniq
@@ -681,11 +710,3 @@ def rebuild_index(r64, index, parts, meta):
             index[slot] = r
     return -1
 
-
-@njit(cache=True, nogil=True)
-def relink_lru(r32, meta, parts, p, ordered_rows):
-    """Rebuild partition p's LRU list from rows ordered least- to most-recently used."""
-    parts[p, PT_HEAD] = -1
-    parts[p, PT_TAIL] = -1
-    for k in range(ordered_rows.shape[0]):
-        _lru_push_head(r32, meta, parts, p, ordered_rows[k])

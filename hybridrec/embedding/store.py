@@ -225,15 +225,17 @@ class EmbeddingStore:
             raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
         if self.config.eviction == "lru":
             for p in range(self.nparts):
-                start, size = int(self.parts[p, K.PT_ROW_START]), int(self.parts[p, K.PT_SIZE])
-                live = np.arange(start, start + size, dtype=np.int64)
-                order = live[np.argsort(self.meta[start:start + size, K.M_STAMP], kind="stable")]
-                K.relink_lru(self.r32, 0, self.parts, p, order)
+                if self.parts[p, K.PT_LRU_KEPT]:  # a list not kept yet is built at the first eviction
+                    K.link_lru_from_stamps(self.r32, 0, self.parts, p)
         self.scalars[S_DIRTY] = 0
 
     # ---------------------------------------------------------------- core operations
     def _check_epoch(self) -> None:
         if self.scalars[S_EPOCH] >= 2**31 - 2:  # stamps are int32: restart the epoch count
+            if self.config.eviction == "lru":  # recency lives in the stamps until a list is kept
+                for p in range(self.nparts):
+                    if not self.parts[p, K.PT_LRU_KEPT]:
+                        K.link_lru_from_stamps(self.r32, 0, self.parts, p)
             self.meta[:, K.M_STAMP] = 0
             self.scalars[S_EPOCH] = 1
 
