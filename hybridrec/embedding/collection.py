@@ -40,11 +40,17 @@ _EMPTY = np.empty(0, np.int64)
 
 @contextlib.contextmanager
 def _locked(stores):
-    """Hold every store's lock (in one fixed order) while a group kernel mutates them."""
-    with contextlib.ExitStack() as stack:
+    """Hold every store's lock (in one fixed order) while a group kernel mutates them. Plain
+    acquire/release: an ExitStack of 26 locks cost ~20 us per call, twice per step."""
+    held = []
+    try:
         for store in stores:
-            stack.enter_context(store._lock)
+            store._lock.acquire()
+            held.append(store._lock)
         yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
 
 
 class _TableGroup:

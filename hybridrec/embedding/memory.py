@@ -9,6 +9,7 @@ creating process dies, which is exactly the case this must survive.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -59,7 +60,7 @@ def aligned_empty(shape, dtype, alignment: int = mmap.PAGESIZE) -> np.ndarray:
     row there straddles two cache lines and a 128-byte row three: every random row access paid
     an extra line. Aligned, a row of whole lines costs exactly its lines."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start:start + nbytes].view(dtype).reshape(shape)
