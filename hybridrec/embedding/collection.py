@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Mapping
 
 import numpy as np
@@ -94,7 +95,7 @@ class _TableGroup:
     def _scratch(self, name: str, shape: tuple, dtype) -> np.ndarray:
         """A reusable uninitialised array; callers hold the stores' locks while they use it."""
         arr = self._scratch_arrays.get(name)
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if arr is None or arr.size < size or arr.dtype != dtype:
             arr = self._scratch_arrays[name] = aligned_empty((max(size, 1),), dtype, CACHE_LINE)
         return arr[:size].reshape(shape)

@@ -199,10 +199,9 @@ class EmbeddingStore:
     def _reserve(self, n_new: int, rebuild: bool = False) -> None:
         """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR
         (with `rebuild`, re-insert every live key even when the index keeps its size)."""
-        if not rebuild:  # the common case, once per table per step: no numpy reduction for one partition
-            largest = int(self.parts[0, K.PT_SIZE]) if self.nparts == 1 else int(self.parts[:, K.PT_SIZE].max())
-            if largest + n_new <= self._room:
-                return
+        # the common case, once per table per step: max() of a few Python ints, not a numpy reduction
+        if not rebuild and max(self.parts[:, K.PT_SIZE].tolist()) + n_new <= self._room:
+            return
         gen = int(self.scalars[S_INDEX_GEN])
         sizes = self.parts[:, K.PT_SIZE]
         need = np.minimum(sizes + n_new, self.row_counts) / LOAD_FACTOR
