@@ -65,6 +65,8 @@ def test_bad_keys_are_refused_with_the_argument_named(keys, message):
 @pytest.mark.parametrize("grads, message", [
     (np.array([[np.nan, 0], [0, 0]], np.float32), "NaN or inf"),
     (np.array([[np.inf, 0], [0, 0]], np.float32), "NaN or inf"),
+    (np.array([[0, 0], [0, -np.inf]], np.float32), "NaN or inf"),
+    (np.array([[0, 0], [0, np.nan]], np.float32), "NaN or inf"),
     (np.zeros((2, 3), np.float32), r"shape must be \(2, 2\)"),
     (np.zeros((1, 2), np.float32), r"shape must be \(2, 2\)"),
 ])
@@ -79,6 +81,18 @@ def test_bad_gradients_change_no_row(grads, message):
     for name in before:
         np.testing.assert_array_equal(before[name], after[name])
     assert store.step == 0
+
+
+def test_extreme_but_finite_gradients_are_applied():
+    """The finiteness check looks at exponent bits: the largest float32, the smallest subnormal
+    and a negative zero are numbers, and the update goes through."""
+    store = EmbeddingStore(dim=4, capacity=10, optimizer={"name": "sgd", "lr": 1e-30})
+    keys = np.array([1, 2], np.uint64)
+    store.pull(keys)
+    tiny = np.finfo(np.float32).smallest_subnormal
+    store.push(keys, np.array([[np.finfo(np.float32).max, tiny, -0.0, 1.0],
+                               [-np.finfo(np.float32).max, -tiny, 0.0, -1.0]], np.float32))
+    assert store.step == 1
 
 
 @pytest.mark.parametrize("field, value, message", [
