@@ -123,3 +123,14 @@ def test_open_shared_refuses_a_different_config(shm_name):
         EmbeddingStore(dim=4, capacity=10, shm_name=shm_name)
     with pytest.raises(ValueError, match="shm_name: 'bad/name' is not allowed"):
         EmbeddingStore(dim=4, capacity=10, shm_name="bad/name")
+
+
+def test_a_store_of_the_untagged_index_layout_is_refused_by_name(shm_name):
+    """Index entries now carry a hash tag above the row number; a store written by the earlier
+    layout would read its bare row numbers as wrong tags and lose keys, so attaching refuses it."""
+    store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=10)
+    store.pull(np.arange(5, dtype=np.uint64))
+    store.scalars[0] = 0x48524543  # the magic the untagged layout wrote
+    store.close()
+    with pytest.raises(ValueError, match=f"shm_name: '{shm_name}' holds a store of an earlier hybridrec layout"):
+        EmbeddingStore.attach(shm_name)

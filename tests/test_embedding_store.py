@@ -215,3 +215,25 @@ def test_read_only_lookups_do_not_change_what_training_admits():
         probed.pull(keys)
         probed.pull(rng.integers(0, 3000, size=50).astype(np.uint64), insert=False)  # an evaluation
     np.testing.assert_array_equal(np.sort(plain.keys()), np.sort(probed.keys()))
+
+
+@pytest.mark.parametrize("row_bits", [30, 31])
+def test_index_tags_never_stand_in_for_the_key(row_bits):
+    """Index entries keep a hash tag above the row number so that probes pass over other keys
+    without reading their rows; a matching tag must still be checked against the key. With 30
+    row bits a tag is one bit, so half of all keys share each tag; with 31 there is no tag. Either
+    way every key finds its own row, and a key never inserted finds none."""
+    from hybridrec.embedding import kernels as K
+
+    reference = EmbeddingStore(dim=2, capacity=600)
+    store = EmbeddingStore(dim=2, capacity=600)
+    store.icfg[K.IC_ROW_BITS] = row_bits  # row numbers below 600 fit in any width
+    keys = np.random.default_rng(9).integers(0, 2**63, size=2000, dtype=np.uint64)
+    for batch in np.array_split(keys[:1500], 10):  # 1500 keys into 600 rows: evictions shift entries
+        assert np.array_equal(store.lookup(batch).rows, reference.lookup(batch).rows)
+    found = store.lookup(keys, insert=False)
+    assert np.array_equal(found.rows, reference.lookup(keys, insert=False).rows)
+    live = found.rows >= 0
+    assert live.sum() == 600
+    assert np.array_equal(store.r64[found.rows[live], 0], keys[live])
+    assert not live[1500:].any()

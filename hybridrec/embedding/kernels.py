@@ -6,8 +6,11 @@ Memory layout (Persia §4.2.2): `rows` is one contiguous float32 array [capacity
 record per row: key (uint64, 2 slots) | lru prev | lru next | access count | clock | stamp | slot.
 `r32` is that int32 array and `r64` its uint64 view (the key is column meta//2 of r64). `stamp`
 and `slot` say when a row was last used for training: the lookup call (epoch) and its place among
-that call's unique rows. `index` is an int32 open-addressing (linear probing) table of row
-numbers, -1 = empty, with backward-shift deletion (no tombstones). The store is split into
+that call's unique rows. `index` is an int32 open-addressing (linear probing) table, -1 = empty,
+with backward-shift deletion (no tombstones). An entry is a row number in its low `row_bits` bits
+(enough for the capacity) and, above them, a tag: the key hash's top 31 - row_bits bits. A probe
+reads a row's key only when the tag matches, so passing over another key's entry costs no random
+metadata read, and the row prefetches aim at the entry whose tag matches, not just the home slot. The store is split into
 partitions (one per thread, Persia's per-thread subsets): partition p owns a range of rows, a
 range of index slots, and its own LRU list; its bookkeeping is the int64 row parts[p].
 
@@ -35,7 +38,7 @@ PT_LRU_KEPT = 11  # 1 once partition p's LRU list is kept up to date (it has bee
 PARTS_WIDTH = 12
 
 # icfg[*]: integer configuration read by kernels
-IC_DIM, IC_STATE, IC_META, IC_POLICY, IC_MIN_FREQ, IC_INIT_KIND, IC_NPARTS = 0, 1, 2, 3, 4, 5, 6
+IC_DIM, IC_STATE, IC_META, IC_POLICY, IC_MIN_FREQ, IC_INIT_KIND, IC_NPARTS, IC_ROW_BITS = 0, 1, 2, 3, 4, 5, 6, 7
 ICFG_WIDTH = 8
 # fcfg[*]: float configuration
 FC_ADMIT_PROB, FC_INIT_A, FC_INIT_B, FC_INIT_BOUND, FC_STATE_INIT, FC_WEIGHT_DECAY, FC_WEIGHT_BOUND = 0, 1, 2, 3, 4, 5, 6
@@ -160,12 +163,40 @@ def link_lru_from_stamps(r32, meta, parts, p):
 # ---------------------------------------------------------------- hash index
 
 @njit(inline="always")
-def _probe(index, r64, kcol, key, s0, ns, h):
-    """Slot holding `key`, or the first empty slot of its probe sequence (index[slot] == -1)."""
+def _tag(h, row_bits):
+    """The part of an index entry above its row number: the key hash's top 31 - row_bits bits
+    (none when row numbers need all 31)."""
+    if row_bits >= 31:
+        return np.int64(0)
+    return np.int64(h >> np.uint64(33 + row_bits)) << row_bits
+
+
+@njit(inline="always")
+def _entry(r, h, row_bits):
+    """The index entry of row r holding a key of hash h."""
+    return np.int32(_tag(h, row_bits) | r)
+
+
+@njit(inline="always")
+def _entry_row(e, row_bits):
+    """The row number in index entry e (-1 for an empty slot)."""
+    if e < 0:
+        return np.int64(-1)
+    return np.int64(e) & ((np.int64(1) << row_bits) - 1)
+
+
+@njit(inline="always")
+def _probe(index, r64, kcol, key, s0, ns, h, row_bits, exact=True):
+    """Slot holding `key`, or the first empty slot of its probe sequence (index[slot] == -1).
+    An entry whose tag differs from the key's is passed over without reading its row's key; with
+    `exact` False no row is read at all: the first entry whose tag matches (its row holds the key
+    but for a 2**-(31 - row_bits) chance), which is what the probe's prefetches aim at."""
     s = scale32(h, ns)
+    tag = _tag(h, row_bits)
+    untag = (np.int64(1) << row_bits) - 1
     while True:
-        r = index[s0 + s]
-        if r < 0 or r64[r, kcol] == key:
+        e = np.int64(index[s0 + s])
+        if e < 0 or ((e & ~untag) == tag and (not exact or r64[e & untag, kcol] == key)):
             return s0 + s
         s += 1
         if s == ns:
@@ -173,7 +204,7 @@ def _probe(index, r64, kcol, key, s0, ns, h):
 
 
 @njit(cache=True, nogil=True)
-def _index_delete(index, r64, kcol, slot, s0, ns):
+def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
     """Remove the entry at `slot` by shifting later entries of the run back (no tombstones)."""
     hole = slot - s0
     j = hole
@@ -181,15 +212,15 @@ def _index_delete(index, r64, kcol, slot, s0, ns):
         j += 1
         if j == ns:
             j = 0
-        r = index[s0 + j]
-        if r < 0:
+        e = index[s0 + j]
+        if e < 0:
             break
-        home = scale32(_index_hash(r64[r, kcol]), ns)
+        home = scale32(_index_hash(r64[_entry_row(e, row_bits), kcol]), ns)
         d_home = (home - hole) % ns
         d_j = (j - hole) % ns
         if 0 < d_home <= d_j:
             continue  # its home lies after the hole: it must stay
-        index[s0 + hole] = r
+        index[s0 + hole] = e
         hole = j
     index[s0 + hole] = -1
 
@@ -354,6 +385,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     kcol = meta // 2
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
+    row_bits = icfg[IC_ROW_BITS]
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
     linked = not lfu and mode != MODE_FIND and parts[p, PT_LRU_KEPT] == 1  # relink each use
     s0 = parts[p, PT_SLOT_START]
@@ -366,7 +398,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     nd = dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse)
     row_of = np.empty(nd, np.int32)  # distinct key -> row (-1: absent / not admitted)
     slot_of = np.empty(nd, np.int32)  # distinct key -> unique index (-1 likewise)
-    guess_of = np.empty(nd, np.int32)  # the row in each key's home slot, read once for the prefetches
+    guess_of = np.empty(nd, np.int32)  # the row each key's tag points at, read once for the prefetches
     nuniq = 0
     for u in range(nd):
         ahead = u + PREFETCH_SLOT
@@ -374,7 +406,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             prefetch_row(index, s0 + scale32(uhash[ahead], ns))
         ahead = u + PREFETCH_ROW
         if ahead < nd:
-            guess = index[s0 + scale32(uhash[ahead], ns)]
+            guess = _entry_row(index[_probe(index, r64, kcol, ukeys[ahead], s0, ns, uhash[ahead], row_bits, False)],
+                               row_bits)
             guess_of[ahead] = guess
             if guess >= 0:
                 prefetch_row(r32, guess)
@@ -393,8 +426,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                     prefetch_row(r32, nxt)
         key = ukeys[u]
         h = uhash[u]
-        slot = _probe(index, r64, kcol, key, s0, ns, h)
-        r = index[slot]
+        slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
+        r = _entry_row(index[slot], row_bits)
         if r < 0:
             if mode == MODE_FIND or (mode == MODE_TRAIN and not admit_all
                                      and not _admit_any(key, seed, mult[u], parts, p, icfg, fcfg, sketch)):
@@ -418,12 +451,12 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 if r < 0:
                     return nuniq, ERR_FULL
                 _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
-                                                       _index_hash(r64[r, kcol])), s0, ns)
+                                                       _index_hash(r64[r, kcol]), row_bits), s0, ns, row_bits)
                 if linked:
                     _lru_unlink(r32, meta, parts, p, r)
                 parts[p, PT_EVICTED] += 1
-                slot = _probe(index, r64, kcol, key, s0, ns, h)
-            index[slot] = r
+                slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
+            index[slot] = _entry(r, h, row_bits)
             r64[r, kcol] = key
             _init_row(rows, r, key, seed, icfg, fcfg)
             r32[r, meta + M_COUNT] = 0
@@ -707,7 +740,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
 # ---------------------------------------------------------------- repair and rebuild
 
 @njit(cache=True, nogil=True)
-def rebuild_index(r64, index, parts, meta):
+def rebuild_index(r64, index, parts, meta, row_bits):
     """Re-insert every live row's key (after loading rows, or repairing an interrupted update)."""
     kcol = meta // 2
     index[:] = -1
@@ -717,9 +750,10 @@ def rebuild_index(r64, index, parts, meta):
         start = parts[p, PT_ROW_START]
         for r in range(start, start + parts[p, PT_SIZE]):
             key = r64[r, kcol]
-            slot = _probe(index, r64, kcol, key, s0, ns, _index_hash(key))
+            h = _index_hash(key)
+            slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
             if index[slot] >= 0:
                 return r  # a duplicate key: the rows are not a valid store
-            index[slot] = r
+            index[slot] = _entry(r, h, row_bits)
     return -1
 

@@ -17,7 +17,8 @@ from . import kernels as K
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
 
-_MAGIC = 0x48524543  # "HREC"
+_MAGIC = 0x48524532  # "HRE2": index entries carry a hash tag above the row number
+_MAGIC_UNTAGGED = 0x48524543  # "HREC": the layout before, whose index entries are bare row numbers
 # scalars[*]
 S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED, S_INDEX_GEN = (K.SC_MAGIC, K.SC_EPOCH, K.SC_STEP, K.SC_DIRTY,
                                                          K.SC_DROPPED, K.SC_INDEX_GEN)
@@ -153,6 +154,9 @@ class EmbeddingStore:
         self._lock = threading.RLock()
         self._arena = arena
         self._allocate(create=False)
+        if self.scalars[S_MAGIC] == _MAGIC_UNTAGGED:
+            raise ValueError(f"shm_name: {shm_name!r} holds a store of an earlier hybridrec layout (index entries "
+                             f"without hash tags); save it with that version and load the checkpoint instead")
         if self.scalars[S_MAGIC] != _MAGIC:
             raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
         if self.scalars[S_DIRTY] or self.scalars[S_INDEX_GEN] != self._generation_of_index_file():
@@ -215,13 +219,13 @@ class EmbeddingStore:
         self.index = self._arena.replace_array("index", (int(slots.sum()),), np.int32, fill=-1)
         self._set_slot_layout(slots)
         self.scalars[S_INDEX_GEN] = new_gen
-        K.rebuild_index(self.r64, self.index, self.parts, 0)
+        K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         self.scalars[S_DIRTY] = 0
 
     def _repair(self) -> None:
         self.scalars[S_INDEX_GEN] = self._generation_of_index_file()
         self._set_slot_layout(slot_counts(self.row_counts, int(self.scalars[S_INDEX_GEN])))
-        bad = K.rebuild_index(self.r64, self.index, self.parts, 0)
+        bad = K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         if bad >= 0:
             raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
         if self.config.eviction == "lru":

@@ -139,6 +139,7 @@ class TableConfig:
         icfg[K.IC_MIN_FREQ] = self.admit_min_frequency
         icfg[K.IC_INIT_KIND] = INIT_KINDS[self.init["kind"]]
         icfg[K.IC_NPARTS] = nparts
+        icfg[K.IC_ROW_BITS] = max(1, (self.capacity - 1).bit_length())  # index entries: tag | row
         fcfg = np.zeros(K.FCFG_WIDTH, dtype=np.float64)
         fcfg[K.FC_ADMIT_PROB] = self.admit_probability
         init = self.init
