@@ -186,17 +186,15 @@ def _entry_row(e, row_bits):
 
 
 @njit(inline="always")
-def _probe(index, r64, kcol, key, s0, ns, h, row_bits, exact=True):
+def _probe(index, r64, kcol, key, s0, ns, h, row_bits):
     """Slot holding `key`, or the first empty slot of its probe sequence (index[slot] == -1).
-    An entry whose tag differs from the key's is passed over without reading its row's key; with
-    `exact` False no row is read at all: the first entry whose tag matches (its row holds the key
-    but for a 2**-(31 - row_bits) chance), which is what the probe's prefetches aim at."""
+    An entry whose tag differs from the key's is passed over without reading its row's key."""
     s = scale32(h, ns)
     tag = _tag(h, row_bits)
     untag = (np.int64(1) << row_bits) - 1
     while True:
         e = np.int64(index[s0 + s])
-        if e < 0 or ((e & ~untag) == tag and (not exact or r64[e & untag, kcol] == key)):
+        if e < 0 or ((e & ~untag) == tag and r64[e & untag, kcol] == key):
             return s0 + s
         s += 1
         if s == ns:
@@ -386,6 +384,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
     row_bits = icfg[IC_ROW_BITS]
+    untag = (np.int64(1) << row_bits) - 1
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
     linked = not lfu and mode != MODE_FIND and parts[p, PT_LRU_KEPT] == 1  # relink each use
     s0 = parts[p, PT_SLOT_START]
@@ -405,9 +404,15 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         if ahead < nd:
             prefetch_row(index, s0 + scale32(uhash[ahead], ns))
         ahead = u + PREFETCH_ROW
-        if ahead < nd:
-            guess = _entry_row(index[_probe(index, r64, kcol, ukeys[ahead], s0, ns, uhash[ahead], row_bits, False)],
-                               row_bits)
+        if ahead < nd:  # the row of the first entry whose tag matches: the key's own, but for a tag clash
+            h = uhash[ahead]
+            tag = _tag(h, row_bits)
+            s = scale32(h, ns)
+            e = np.int64(index[s0 + s])
+            while e >= 0 and (e & ~untag) != tag:  # written out: an inlined _probe took reference counts here
+                s = s + 1 if s + 1 < ns else 0
+                e = np.int64(index[s0 + s])
+            guess = e & untag if e >= 0 else -1
             guess_of[ahead] = guess
             if guess >= 0:
                 prefetch_row(r32, guess)
