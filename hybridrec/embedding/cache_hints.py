@@ -16,15 +16,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-def _emit_prefetch(context, builder, arrty, array, indices):
+def _emit_prefetch(context, builder, arrty, array, indices, for_write=False):
     arr = context.make_array(arrty)(context, builder, array)
     ptr = cgutils.get_item_pointer(context, builder, arrty, arr, indices, wraparound=False)
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
     fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    # read access, high temporal locality, data cache
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    # read (or write) access, high temporal locality, data cache
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(for_write)), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])
     return context.get_dummy_value()
 
 
@@ -44,10 +45,8 @@ def prefetch_row(typingctx, array, row):
     return sig, codegen
 
 
-@intrinsic
-def prefetch_cell(typingctx, array, row, col):
-    """Hint that array[row, col] (of a 2-d array; array[row, col, 0] of a deeper one) will be read
-    soon: a row's second cache line, or one cell of a [B, T, dim] gradient."""
+def _cell_prefetch(array, row, col, for_write):
+    """Signature and codegen of a prefetch of array[row, col] (array[row, col, 0] when deeper)."""
     if not (isinstance(array, types.Array) and array.ndim >= 2 and isinstance(row, types.Integer)
             and isinstance(col, types.Integer)):
         return None
@@ -57,9 +56,23 @@ def prefetch_cell(typingctx, array, row, col):
         arrty = signature.args[0]
         zero = context.get_constant(types.intp, 0)
         idx = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 2)]
-        return _emit_prefetch(context, builder, arrty, args[0], idx + [zero] * (arrty.ndim - 2))
+        return _emit_prefetch(context, builder, arrty, args[0], idx + [zero] * (arrty.ndim - 2), for_write)
 
     return sig, codegen
+
+
+@intrinsic
+def prefetch_cell(typingctx, array, row, col):
+    """Hint that array[row, col] (of a 2-d array; array[row, col, 0] of a deeper one) will be read
+    soon: a row's second cache line, or one cell of a [B, T, dim] gradient."""
+    return _cell_prefetch(array, row, col, for_write=False)
+
+
+@intrinsic
+def prefetch_cell_for_write(typingctx, array, row, col):
+    """Hint that array[row, col] will be written soon (`prefetchw` on x86): the line arrives owned,
+    so the stores that initialise a new row find it ready instead of each waiting for it."""
+    return _cell_prefetch(array, row, col, for_write=True)
 
 
 CACHE_LINE = 64  # bytes in a CPU cache line (x86-64 and most arm64 cores)

@@ -24,7 +24,8 @@ import numpy as np
 from numba import njit, prange
 
 from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
-from .cache_hints import CACHE_LINE, LINE_FLOATS, prefetch_cell, prefetch_row, store_fence, stream_line
+from .cache_hints import (CACHE_LINE, LINE_FLOATS, prefetch_cell, prefetch_cell_for_write, prefetch_row, store_fence,
+                          stream_line)
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 
 # metadata columns, relative to the meta offset (int32 view)
@@ -58,6 +59,7 @@ _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
+FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
 
 
 @njit(inline="always")
@@ -443,6 +445,12 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             if size < parts[p, PT_ROW_COUNT]:
                 r = parts[p, PT_ROW_START] + size
                 parts[p, PT_SIZE] = size + 1
+                if size + FRONTIER_AHEAD < parts[p, PT_ROW_COUNT]:  # rows are taken in order: own the next
+                    ahead = r + FRONTIER_AHEAD
+                    prefetch_cell_for_write(rows, ahead, 0)
+                    if width > LINE_FLOATS:
+                        prefetch_cell_for_write(rows, ahead, width - 1)
+                    prefetch_cell_for_write(r32, ahead, 0)
             else:
                 if lfu:
                     r = _lfu_victim(r32, meta, parts, p, epoch)
