@@ -140,6 +140,20 @@ def test_many_tables_in_one_call_match_per_table_stores():
                                    rtol=1e-6, atol=1e-7)
 
 
+def test_a_negative_length_is_reported_at_its_first_place_and_feature():
+    """A long batch (the check runs vectorised, then looks for the place) with two decreasing
+    offsets: the error names the first one, its values and its feature."""
+    names = ["a", "b", "c"]
+    coll = EmbeddingCollection({n: TableConfig(dim=2, capacity=10) for n in names})
+    offsets = np.arange(3 * 1000 + 1, dtype=np.int64)
+    offsets[1501] = 1499  # sample 501 of feature b has length -1 (and 500 has length 0)
+    offsets[2600] = 2598
+    values = np.arange(3000, dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"offsets\[1501\] = 1499 < offsets\[1500\] = 1500 .*feature 'b'"):
+        coll(JaggedFeatures(names, values, offsets))
+    assert all(len(s) == 0 for s in coll.stores.values())
+
+
 def test_nan_gradient_is_refused_and_changes_no_row():
     coll = EmbeddingCollection({"a": TableConfig(dim=2, capacity=10), "b": TableConfig(dim=2, capacity=10)})
     batch = _features(["a", "b"], [[[1], [2]], [[3], [4]]])

@@ -104,7 +104,8 @@ class _TableGroup:
         values = features.values
         seg_lo = np.array([where[n][0] for n in names], dtype=np.int64)
         seg_hi = np.array([where[n][-1] for n in names], dtype=np.int64)
-        feat_base = np.array([features.names.index(n) * bsz for n in names], dtype=np.int64)
+        position = {name: f for f, name in enumerate(features.names)}
+        feat_base = np.array([position[n] * bsz for n in names], dtype=np.int64)
         for store, lo, hi in zip(self.stores, seg_lo, seg_hi):
             if train:
                 store._reserve(int(hi - lo))
