@@ -8,7 +8,7 @@ record per row: key (uint64, 2 slots) | lru prev | lru next | access count | clo
 and `slot` say when a row was last used for training: the lookup call (epoch) and its place among
 that call's unique rows. `index` is an int32 open-addressing (linear probing) table, -1 = empty,
 with backward-shift deletion (no tombstones). An entry is a row number in its low `row_bits` bits
-(enough for the capacity) and, above them, a tag: the key hash's top 31 - row_bits bits. A probe
+(enough for the capacity) and, above them, a tag: 31 - row_bits further bits of the key hash. A probe
 reads a row's key only when the tag matches, so passing over another key's entry costs no random
 metadata read, and the row prefetches aim at the entry whose tag matches, not just the home slot. The store is split into
 partitions (one per thread, Persia's per-thread subsets): partition p owns a range of rows, a
@@ -173,11 +173,12 @@ def link_lru_from_stamps(r32, meta, parts, p):
 
 @njit(inline="always")
 def _tag(h, row_bits):
-    """The part of an index entry above its row number: the key hash's top 31 - row_bits bits
-    (none when row numbers need all 31)."""
+    """The part of an index entry above its row number: 31 - row_bits bits of the key hash (none
+    when row numbers need all 31), taken from just above bit 32. The slot comes from the low 32
+    bits and the partition from the top ones, so the tag is independent of both."""
     if row_bits >= 31:
         return np.int64(0)
-    return np.int64(h >> np.uint64(33 + row_bits)) << row_bits
+    return np.int64((h >> np.uint64(32)) & np.uint64((1 << (31 - row_bits)) - 1)) << row_bits
 
 
 @njit(inline="always")
