@@ -56,24 +56,18 @@ def _checkout(text: str) -> str:
     return str(path)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def main(argv=None) -> dict:
+    # here, not at the top: a worker must import hybridrec from its own checkout, not this one
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from hybridrec.benchmarks.timing import positive_int
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", type=_checkout, required=True, help="checkout A (the reference)")
     parser.add_argument("--candidate", type=_checkout, required=True, help="checkout B (the change)")
-    parser.add_argument("--batches", type=_positive, default=60, help="timed batches (default 60)")
-    parser.add_argument("--warmup", type=_positive, default=10, help="untimed batches first (default 10)")
-    parser.add_argument("--batch-size", type=_positive, default=4096, help="samples per batch (default 4096)")
-    parser.add_argument("--capacity", type=_positive, default=1_000_000, help="rows per table (default 1000000)")
+    parser.add_argument("--batches", type=positive_int, default=60, help="timed batches (default 60)")
+    parser.add_argument("--warmup", type=positive_int, default=10, help="untimed batches first (default 10)")
+    parser.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
+    parser.add_argument("--capacity", type=positive_int, default=1_000_000, help="rows per table (default 1000000)")
     parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)),
                         help="the CPU both workers are pinned to (default the highest allowed)")
     args = parser.parse_args(argv)

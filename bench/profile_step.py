@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from hybridrec.benchmarks.timing import positive_int  # noqa: E402
+
 
 def readable(symbol: str) -> str:
     """numba's mangled `_ZN9hybridrec9embedding7kernels6dedupeB...` as `hybridrec.embedding.kernels.dedupe`."""
@@ -57,18 +59,22 @@ def write_perf_map() -> int:
     return len(ordered)
 
 
-def positive(text: str) -> float:
-    value = float(text)
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=positive, default=4.0, help="how long to sample (default 4)")
-    parser.add_argument("--top", type=int, default=20, help="lines of the report to print (default 20)")
-    parser.add_argument("--batch-size", type=int, default=4096, help="samples per batch (default 4096)")
+    parser.add_argument("--seconds", type=positive_seconds, default=4.0, help="how long to sample (default 4)")
+    parser.add_argument("--top", type=positive_int, default=20, help="lines of the report to print (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         parser.error("perf is not installed (on Debian: apt-get install linux-perf)")
@@ -92,23 +98,26 @@ def main(argv=None) -> None:
     for i in range(10):
         step(i)
     print(f"mapped {write_perf_map()} numba functions", file=sys.stderr)
-    data = os.path.join(tempfile.mkdtemp(), "perf.data")
-    recorder = subprocess.Popen(["perf", "record", "-F", "5000", "-o", data, "-p", str(os.getpid())],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)  # perf attaches
-    end, i = time.perf_counter() + args.seconds, 10
-    while time.perf_counter() < end:
-        step(i)
-        i += 1
-    recorder.send_signal(signal.SIGINT)
-    recorder.wait(timeout=60)
-    report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "sym", "--stdio"],
-                            capture_output=True, text=True, timeout=300).stdout
+    workdir = tempfile.mkdtemp()
+    data = os.path.join(workdir, "perf.data")
+    try:
+        recorder = subprocess.Popen(["perf", "record", "-F", "5000", "-o", data, "-p", str(os.getpid())],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # perf attaches
+        end, i = time.perf_counter() + args.seconds, 10
+        while time.perf_counter() < end:
+            step(i)
+            i += 1
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=60)
+        report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "sym", "--stdio"],
+                                capture_output=True, text=True, timeout=300).stdout
+    finally:
+        os.unlink(f"/tmp/perf-{os.getpid()}.map")
+        shutil.rmtree(workdir, ignore_errors=True)
     lines = [line for line in report.splitlines() if line.strip() and not line.startswith("#")]
     print(f"{i - 10} steps sampled")
     print("\n".join(lines[:args.top]))
-    os.unlink(f"/tmp/perf-{os.getpid()}.map")
-
 
 if __name__ == "__main__":
     main()

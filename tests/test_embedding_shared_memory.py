@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hybridrec.embedding import EmbeddingStore, unlink_shared
+from hybridrec.embedding.store import S_MAGIC
 
 BATCHES = textwrap.dedent("""
     import numpy as np
@@ -130,7 +131,7 @@ def test_a_store_of_the_untagged_index_layout_is_refused_by_name(shm_name):
     layout would read its bare row numbers as wrong tags and lose keys, so attaching refuses it."""
     store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=10)
     store.pull(np.arange(5, dtype=np.uint64))
-    store.scalars[0] = 0x48524543  # the magic the untagged layout wrote
+    store.scalars[S_MAGIC] = 0x48524543  # the magic the untagged layout wrote ("HREC")
     store.close()
     with pytest.raises(ValueError, match=f"shm_name: '{shm_name}' holds a store of an earlier hybridrec layout"):
         EmbeddingStore.attach(shm_name)

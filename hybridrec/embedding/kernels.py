@@ -8,11 +8,12 @@ record per row: key (uint64, 2 slots) | lru prev | lru next | access count | clo
 and `slot` say when a row was last used for training: the lookup call (epoch) and its place among
 that call's unique rows. `index` is an int32 open-addressing (linear probing) table, -1 = empty,
 with backward-shift deletion (no tombstones). An entry is a row number in its low `row_bits` bits
-(enough for the capacity) and, above them, a tag: 31 - row_bits further bits of the key hash. A probe
-reads a row's key only when the tag matches, so passing over another key's entry costs no random
-metadata read, and the row prefetches aim at the entry whose tag matches, not just the home slot. The store is split into
-partitions (one per thread, Persia's per-thread subsets): partition p owns a range of rows, a
-range of index slots, and its own LRU list; its bookkeeping is the int64 row parts[p].
+(enough for the capacity) and, above them, a tag: 31 - row_bits further bits of the key hash. A
+probe reads a row's key only when the tag matches, so passing over another key's entry costs no
+random metadata read, and the row prefetches aim at the entry whose tag matches, not just the home
+slot. The store is split into partitions (one per thread, Persia's per-thread subsets): partition
+p owns a range of rows, a range of index slots, and its own LRU list; its bookkeeping is the int64
+row parts[p].
 
 The LRU list is kept only once a partition has been full. Until then nothing is evicted, so
 nobody reads the list, and keeping it in order cost 6-7 ns per lookup (unlinking a touched row
@@ -182,6 +183,12 @@ def _tag(h, row_bits):
 
 
 @njit(inline="always")
+def _row_mask(row_bits):
+    """The bits of an index entry that hold its row number."""
+    return (np.int64(1) << row_bits) - 1
+
+
+@njit(inline="always")
 def _entry(r, h, row_bits):
     """The index entry of row r holding a key of hash h."""
     return np.int32(_tag(h, row_bits) | r)
@@ -192,7 +199,7 @@ def _entry_row(e, row_bits):
     """The row number in index entry e (-1 for an empty slot)."""
     if e < 0:
         return np.int64(-1)
-    return np.int64(e) & ((np.int64(1) << row_bits) - 1)
+    return np.int64(e) & _row_mask(row_bits)
 
 
 @njit(inline="always")
@@ -201,10 +208,10 @@ def _probe(index, r64, kcol, key, s0, ns, h, row_bits):
     An entry whose tag differs from the key's is passed over without reading its row's key."""
     s = scale32(h, ns)
     tag = _tag(h, row_bits)
-    untag = (np.int64(1) << row_bits) - 1
+    rows_part = _row_mask(row_bits)
     while True:
         e = np.int64(index[s0 + s])
-        if e < 0 or ((e & ~untag) == tag and r64[e & untag, kcol] == key):
+        if e < 0 or ((e & ~rows_part) == tag and r64[e & rows_part, kcol] == key):
             return s0 + s
         s += 1
         if s == ns:
@@ -394,7 +401,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
     row_bits = icfg[IC_ROW_BITS]
-    untag = (np.int64(1) << row_bits) - 1
+    rows_part = _row_mask(row_bits)
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
     linked = not lfu and mode != MODE_FIND and parts[p, PT_LRU_KEPT] == 1  # relink each use
     s0 = parts[p, PT_SLOT_START]
@@ -419,10 +426,10 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             tag = _tag(h, row_bits)
             s = scale32(h, ns)
             e = np.int64(index[s0 + s])
-            while e >= 0 and (e & ~untag) != tag:  # written out: an inlined _probe took reference counts here
+            while e >= 0 and (e & ~rows_part) != tag:  # written out: an inlined _probe took reference counts here
                 s = s + 1 if s + 1 < ns else 0
                 e = np.int64(index[s0 + s])
-            guess = e & untag if e >= 0 else -1
+            guess = _entry_row(e, row_bits)
             guess_of[ahead] = guess
             if guess >= 0:
                 prefetch_row(r32, guess)
