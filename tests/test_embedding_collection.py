@@ -208,3 +208,53 @@ def test_streamed_pooling_writes_the_same_rows_as_plain_stores():
             K.gather_pool(rows, row_ids, offsets, 0, out, 1)
             np.testing.assert_array_equal(out[:, 1], expect)
             assert np.isnan(out[:, [0, 2]]).all()  # the other columns are untouched
+
+
+def test_a_batch_past_the_index_room_grows_every_table_inside_the_call():
+    """The one-call path checks each table's index room in the kernel and grows the index before
+    anything is written; every key of the batch is then found."""
+    coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=200_000) for name in ("a", "b")})
+    rooms_before = [store._room for store in coll.stores.values()]
+    spread = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct keys stay distinct, spread over 64 bits
+    keys = [(np.arange(30_000, dtype=np.uint64) + np.uint64(t)) * spread for t in (1, 7)]
+    assert all(30_000 > room for room in rooms_before)
+    batch = _features(["a", "b"], [[[int(k)] for k in table_keys] for table_keys in keys])
+    trained = coll.forward_stacked(batch).detach().numpy().copy()
+    assert all(store._room >= 30_000 for store in coll.stores.values())
+    assert [len(store) for store in coll.stores.values()] == [30_000, 30_000]
+    coll.eval()
+    np.testing.assert_array_equal(coll.forward_stacked(batch).numpy(), trained)
+
+
+def test_the_epoch_count_restarts_inside_the_one_call_path_with_recency_kept():
+    """Stamps are int32: at the epoch limit the kernel asks for a restart before writing, and the
+    least recently used rows are still the ones evicted afterwards."""
+    coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=8, eviction="lru") for name in ("a", "b")})
+
+    def step(key):
+        coll.forward_stacked(_features(["a", "b"], [[[key]], [[key]]])).sum().backward()
+
+    for key in range(1, 9):
+        step(key)
+    for key in range(8, 1, -1):  # least recent now: 1, then 8, 7, ..., 2
+        step(key)
+    for store in coll.stores.values():
+        store.scalars[K.SC_EPOCH] = K.EPOCH_LIMIT
+    for key in (100, 101, 102):
+        step(key)
+    for store in coll.stores.values():
+        assert store.scalars[K.SC_EPOCH] < 10
+        assert set(store.keys().tolist()) == {2, 3, 4, 5, 6, 100, 101, 102}
+
+
+def test_features_are_found_by_name_whatever_their_order_in_the_batch():
+    coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=100) for name in ("a", "b", "c")})
+    coll.eval()
+    ids = {"a": [[1], [2]], "b": [[3], [4, 5]], "c": [[6], []]}
+    for name, table_ids in ids.items():  # rows for every key, looked up one table at a time
+        coll.stores[name].pull(np.array([k for row in table_ids for k in row], np.uint64))
+    expected = coll.forward_stacked(_features(["a", "b", "c"], [ids["a"], ids["b"], ids["c"]])).numpy()
+    for order in (["c", "a", "b"], ["b", "c", "a"], ["c", "b", "a"]):
+        shuffled = _features(order, [ids[name] for name in order])
+        np.testing.assert_array_equal(coll.forward_stacked(shuffled).numpy(), expected)
+        np.testing.assert_array_equal(coll.forward_stacked(shuffled, ["c", "a"]).numpy(), expected[:, [2, 0]])

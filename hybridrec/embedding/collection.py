@@ -9,9 +9,9 @@ gradient onto the batch's unique rows and applies the table's fused sparse optim
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
+import operator
 from typing import Mapping
 
 import numpy as np
@@ -37,20 +37,31 @@ class _TablePass:
 
 
 _EMPTY = np.empty(0, np.int64)
+_LAYOUTS_KEPT = 64  # batch layouts whose feature positions a collection remembers
 
 
-@contextlib.contextmanager
-def _locked(stores):
-    """Hold every store's lock (in one fixed order) while a group kernel mutates them. Plain
-    acquire/release: an ExitStack of 26 locks cost ~20 us per call, twice per step."""
-    held = []
-    try:
-        for store in stores:
-            store._lock.acquire()
-            held.append(store._lock)
-        yield
-    finally:
-        for lock in reversed(held):
+class _StoreLocks:
+    """Holds every store's lock, taken in one fixed order, while a group kernel mutates them.
+    Plain acquire/release over a list made once: an ExitStack of 26 locks cost ~20 us per
+    call, and a generator-based context manager ~2 us per lock when the caches are cold."""
+
+    def __init__(self, stores):
+        self._locks = [store._lock for store in stores]
+
+    def __enter__(self):
+        taken = 0
+        try:
+            for lock in self._locks:
+                lock.acquire()
+                taken += 1
+        except BaseException:
+            for lock in reversed(self._locks[:taken]):
+                lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        for lock in reversed(self._locks):
             lock.release()
 
 
@@ -63,6 +74,7 @@ class _TableGroup:
 
     def __init__(self, stores: list):
         self.stores = stores
+        self.locks = _StoreLocks(stores)
         self._indexes = None
         self._scratch_arrays: dict[str, np.ndarray] = {}
         cfgs = [s.config for s in stores]
@@ -74,8 +86,11 @@ class _TableGroup:
         self.opt_params = np.stack([s.opt_params for s in stores])
 
     def _lists(self):
+        """(Re)builds the typed lists when a store's index was replaced (it grew), and with
+        them `rooms`: the keys each index may hold before it must grow (`store._room`, which
+        changes only with the index)."""
         indexes = [s.index for s in self.stores]
-        if self._indexes is None or any(a is not b for a, b in zip(indexes, self._indexes)):
+        if self._indexes is None or any(map(operator.is_not, indexes, self._indexes)):
             def typed(arrays):
                 out = NumbaList()
                 for a in arrays:
@@ -90,6 +105,7 @@ class _TableGroup:
             self.parts_l = typed([s.parts for s in st])
             self.sketch_l = typed([s.sketch for s in st])
             self.scalars_l = typed([s.scalars for s in st])
+            self.rooms = np.array([s._room for s in st], dtype=np.int64)
             self._indexes = indexes
 
     def _scratch(self, name: str, shape: tuple, dtype) -> np.ndarray:
@@ -100,36 +116,48 @@ class _TableGroup:
             arr = self._scratch_arrays[name] = aligned_empty((max(size, 1),), dtype, CACHE_LINE)
         return arr[:size].reshape(shape)
 
-    def forward(self, features, where, names, bsz, dim, train):
-        values = features.values
-        seg_lo = np.array([where[n][0] for n in names], dtype=np.int64)
-        seg_hi = np.array([where[n][-1] for n in names], dtype=np.int64)
-        position = {name: f for f, name in enumerate(features.names)}
-        feat_base = np.array([position[n] * bsz for n in names], dtype=np.int64)
-        for store, lo, hi in zip(self.stores, seg_lo, seg_hi):
-            if train:
-                store._reserve(int(hi - lo))
-            store._check_epoch()
-        self._lists()
-        n = values.shape[0]
+    def forward(self, features, positions, bsz, dim, train):
+        """Pooled [bsz, tables, dim] output of the features at `positions` in the batch (one per
+        table, in table order) and the pass its backward needs."""
+        offsets = features.offsets
+        feat_base = positions * bsz
+        seg_lo = offsets[feat_base]
+        seg_hi = offsets[feat_base + bsz]
+        n = features.values.shape[0]
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
         uniq_rows = np.empty(n, np.int32)
         uniq_keys = np.empty(n, np.uint64)
-        nuniq = np.zeros(len(names), np.int64)
-        out = aligned_empty((bsz, len(names), dim), np.float32, CACHE_LINE)  # a 64-byte row, one line
-        failed = np.zeros(len(names), np.int64)
-        with _locked(self.stores):
+        nuniq = np.zeros(len(self.stores), np.int64)
+        out = aligned_empty((bsz, len(self.stores), dim), np.float32, CACHE_LINE)  # a 64-byte row, one line
+        failed = np.zeros(len(self.stores), np.int64)
+        mode = K.MODE_TRAIN if train else K.MODE_FIND
+        with self.locks:
             hashes = self._scratch("hashes", (n,), np.uint64)
-            K.compute_partitions(values, 1, hashes, _EMPTY)
-            GK.lookup_pool_tables(values, hashes, seg_lo, seg_hi, feat_base, features.offsets, bsz, self.rows_l,
-                                  self.meta_l, self.meta64_l, self.index_l, self.parts_l, self.sketch_l,
-                                  self.scalars_l, self.icfg, self.fcfg, self.seeds, self.pool_modes,
-                                  K.MODE_TRAIN if train else K.MODE_FIND, out_rows, inverse, uniq_rows, uniq_keys,
-                                  nuniq, out, failed)
-        if failed.any():
-            self.stores[int(np.argmax(failed))]._raise_full()
-        return out, _GroupPass(self, inverse, seg_lo, feat_base, features.offsets, bsz, uniq_rows, uniq_keys, nuniq)
+            K.compute_partitions(features.values, 1, hashes, _EMPTY)
+            for _ in range(2):  # a second call only after _service
+                self._lists()
+                status = GK.lookup_pool_tables(
+                    features.values, hashes, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
+                    self.meta64_l, self.index_l, self.parts_l, self.sketch_l, self.scalars_l, self.icfg, self.fcfg,
+                    self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq,
+                    out, failed)
+                if status != GK.NEEDS_SERVICE:
+                    break
+                self._service(seg_lo, seg_hi, train)
+            else:
+                raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
+                                   "being given them; this is a bug in hybridrec")
+        if status > 0:
+            self.stores[status - 1]._raise_full()
+        return out, _GroupPass(self, inverse, seg_lo, feat_base, offsets, bsz, uniq_rows, uniq_keys, nuniq)
+
+    def _service(self, seg_lo, seg_hi, train):
+        """What the kernel asked for: room in each index for its segment, fresh epoch counts."""
+        for store, lo, hi in zip(self.stores, seg_lo.tolist(), seg_hi.tolist()):
+            if train:
+                store._reserve(hi - lo)
+            store._check_epoch()
 
 
 @dataclasses.dataclass
@@ -145,10 +173,9 @@ class _GroupPass:
     nuniq: np.ndarray
 
     def backward(self, grad: np.ndarray) -> None:
-        g = self.group
-        g._lists()
+        g = self.group  # its typed lists were built by the forward; rows never change arrays
         dropped = np.zeros(len(g.stores), np.int64)
-        with _locked(g.stores):
+        with g.locks:
             ugrad = g._scratch("ugrad", (self.inverse.shape[0], grad.shape[2]), np.float32)
             ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz,
                                     g.rows_l, g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys,
@@ -225,20 +252,21 @@ class EmbeddingCollection(torch.nn.Module):
         self.dims = {f: configs[t].dim for f, t in mapping.items()}
         self._table_users = {t: list(mapping.values()).count(t) for t in configs}
         self._groups: dict = {}
+        self._layouts: dict = {}  # (batch's feature names, requested names) -> positions, see _positions
         # gives autograd a leaf that requires grad, so backward reaches the stores
         self._anchor = torch.nn.Parameter(torch.zeros(0), requires_grad=True)
 
     # ---------------------------------------------------------------- forward
     def _positions(self, features, names):
-        """Validate and locate the requested features in the batch."""
+        """Validates the batch; returns its batch size and the position of each requested feature
+        among the batch's features (int64 array, in the order of `names`)."""
         if not isinstance(features.values, np.ndarray) or features.values.dtype != np.uint64:
             check_keys(features.values, "features.values")
         offsets = features.offsets
         if not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64:
             raise TypeError(f"features.offsets: must be an int64 numpy array, got "
                             f"{getattr(offsets, 'dtype', type(offsets).__name__)}")
-        batch_names = list(features.names)
-        nfeat = len(batch_names)
+        nfeat = len(features.names)
         if nfeat == 0 or (len(offsets) - 1) % nfeat:
             raise ValueError(f"features.offsets: length {len(offsets)} does not fit {nfeat} features")
         bsz = (len(offsets) - 1) // nfeat
@@ -249,42 +277,47 @@ class EmbeddingCollection(torch.nn.Module):
         if bad >= 0:
             f = bad // bsz if bsz else 0
             raise ValueError(f"features.offsets: offsets[{bad + 1}] = {offsets[bad + 1]} < offsets[{bad}] = "
-                             f"{offsets[bad]} (a negative length, in feature {batch_names[min(f, nfeat - 1)]!r})")
-        where = {}
-        for name in names:
-            if name not in batch_names:
-                raise ValueError(f"features: the batch has no feature {name!r}{closest_hint(name, batch_names)}; "
-                                 f"it has {batch_names}")
-            f = batch_names.index(name)
-            where[name] = offsets[f * bsz:(f + 1) * bsz + 1]
-        return bsz, where
+                             f"{offsets[bad]} (a negative length, in feature {features.names[min(f, nfeat - 1)]!r})")
+        layout = (tuple(features.names), tuple(names))
+        positions = self._layouts.get(layout)
+        if positions is None:
+            position = {name: f for f, name in reversed(list(enumerate(layout[0])))}  # the first of a twice-given name
+            for name in names:
+                if name not in position:
+                    raise ValueError(f"features: the batch has no feature {name!r}"
+                                     f"{closest_hint(name, layout[0])}; it has {list(layout[0])}")
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.clear()
+            positions = self._layouts[layout] = np.array([position[n] for n in names], dtype=np.int64)
+        return bsz, positions
 
     def _group_for(self, names):
         """The one-call fast path for these features, if each has a table of its own."""
-        tables = [self.feature_to_table[n] for n in names]
-        if len(set(tables)) != len(tables) or any(self._table_users[t] != 1 or self.stores[t].nparts != 1
-                                                  for t in tables):
-            return None
-        key = tuple(tables)
-        if key not in self._groups:
-            self._groups[key] = _TableGroup([self.stores[t] for t in tables])
-        group = self._groups[key]
-        if any(a is not b for a, b in zip(group.stores, (self.stores[t] for t in tables))):
-            group = self._groups[key] = _TableGroup([self.stores[t] for t in tables])  # stores were replaced
-        return group
+        key = tuple(names)
+        known = self._groups.get(key)  # (tables, their stores, the group or None)
+        if known is not None and list(map(self.stores.__getitem__, known[0])) == known[1]:
+            return known[2]  # the same stores as when decided (a checkpoint load replaces them)
+        tables = [self.feature_to_table[n] for n in key]
+        stores = [self.stores[t] for t in tables]
+        eligible = len(set(tables)) == len(tables) and all(self._table_users[t] == 1 and s.nparts == 1
+                                                           for t, s in zip(tables, stores))
+        self._groups[key] = (tables, stores, _TableGroup(stores) if eligible else None)
+        return self._groups[key][2]
 
     def _run(self, features, groups):
         """groups: list of feature-name lists, one output Tensor[B, len(g), dim] per group."""
         names = [n for g in groups for n in g]
-        bsz, where = self._positions(features, names)
+        bsz, positions = self._positions(features, names)
         train = self.training and torch.is_grad_enabled()
         group = self._group_for(names) if len(groups) == 1 and bsz > 0 else None
         if group is not None:
-            out, gpass = group.forward(features, where, names, bsz, self.dims[names[0]], train)
+            out, gpass = group.forward(features, positions, bsz, self.dims[names[0]], train)
             tensor = torch.from_numpy(out)
             if train:
                 tensor = _FusedEmbeddingFunction.apply(self._anchor, gpass, tensor)
             return [tensor]
+        offsets = features.offsets
+        where = {n: offsets[f * bsz:(f + 1) * bsz + 1] for n, f in zip(names, positions.tolist())}
         outputs = [aligned_empty((bsz, len(g), self.dims[g[0]]), np.float32, CACHE_LINE) for g in groups]
         slot = {n: (gi, ci) for gi, g in enumerate(groups) for ci, n in enumerate(g)}
         by_table: dict[str, list] = {}

@@ -16,16 +16,28 @@ from . import kernels as K
 from .cache_hints import prefetch_cell
 
 GRAD_AHEAD = 16  # samples ahead whose gradient line the backward scatter prefetches
+NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch restart first
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
-                       meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode,
+                       meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode, rooms,
                        out_rows, inverse, uniq_rows, uniq_keys, nuniq, out, failed):
-    """Probe every table's segment, then pool it into out[:, t, :]. failed[t] = 1 for a table
-    that ran out of evictable rows."""
+    """Probe every table's segment, then pool it into out[:, t, :]. Returns 0, or t + 1 for the
+    first table t that ran out of evictable rows (failed[t] = 1 for each such table), or
+    NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
+    mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
+    the index or restarts the epoch (store._reserve, store._check_epoch) and calls again. These
+    checks ran as Python per table and step before; here they cost a few ns."""
+    ntab = seg_lo.shape[0]
+    for tp in range(ntab):
+        t = np.int64(tp)
+        if scalars_l[t][K.SC_EPOCH] >= K.EPOCH_LIMIT:
+            return NEEDS_SERVICE
+        if mode != K.MODE_FIND and parts_l[t][0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
+            return NEEDS_SERVICE
     empty = np.empty(0, np.int64)
-    for tp in prange(seg_lo.shape[0]):
+    for tp in prange(ntab):
         t = np.int64(tp)  # typed lists want a signed index
         lo = seg_lo[t]
         hi = seg_hi[t]
@@ -45,6 +57,10 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
             uniq_keys[u] = meta64[uniq_rows[u], 0]
         base = feat_base[t]
         K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
+    for t in range(ntab):
+        if failed[t]:
+            return t + 1
+    return 0
 
 
 @njit(cache=True, nogil=True, parallel=True)

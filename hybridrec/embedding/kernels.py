@@ -55,6 +55,7 @@ INIT_UNIFORM, INIT_NORMAL, INIT_ZEROS = 0, 1, 2
 MODE_TRAIN, MODE_FIND, MODE_FORCE = 0, 1, 2  # insert with admission | never insert | insert always
 
 ERR_FULL = 1  # every row of a partition is used by the current batch: nothing can be evicted
+EPOCH_LIMIT = 2**31 - 2  # stamps are int32: at this many lookup calls the epoch count restarts
 _COUNT_CEILING = 1 << 30
 _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched

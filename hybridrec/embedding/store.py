@@ -236,7 +236,7 @@ class EmbeddingStore:
 
     # ---------------------------------------------------------------- core operations
     def _check_epoch(self) -> None:
-        if self.scalars[S_EPOCH] >= 2**31 - 2:  # stamps are int32: restart the epoch count
+        if self.scalars[S_EPOCH] >= K.EPOCH_LIMIT:  # stamps are int32: restart the epoch count
             if self.config.eviction == "lru":  # recency lives in the stamps until a list is kept
                 for p in range(self.nparts):
                     if not self.parts[p, K.PT_LRU_KEPT]:
