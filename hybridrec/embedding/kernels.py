@@ -349,30 +349,35 @@ def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
     size = 16
     while size < 2 * n:
         size *= 2
-    mask = size - 1
+    mask = np.uint64(size - 1)
     table = np.full(size, -1, np.int32)
     nu = 0
     use_order = order.shape[0] > 0
-    for j in range(lo, hi):
-        i = order[j] if use_order else j
+    # Unsigned indices throughout: numba turns every access with a signed index into a check
+    # for a negative one (and the add that wraps it), which, with the registers it took, made
+    # this loop 7.4 ns per key instead of 5.2.
+    base = np.uint64(lo)
+    for jj in range(n):
+        j = np.uint64(jj)
+        i = np.uint64(order[base + j]) if use_order else base + j
         key = keys[i]
         h = hashes[i]
-        s = np.int64(h & np.uint64(mask))
+        s = h & mask
         while True:
             u = table[s]
             if u < 0:
                 u = nu
                 table[s] = u
-                ukeys[u] = key
-                uhash[u] = h
-                mult[u] = 0
+                ukeys[np.uint64(u)] = key
+                uhash[np.uint64(u)] = h
+                mult[np.uint64(u)] = 0
                 nu += 1
                 break
-            if ukeys[u] == key:
+            if ukeys[np.uint64(u)] == key:
                 break
-            s = (s + 1) & mask
-        mult[u] += 1
-        local_inverse[j - lo] = u
+            s = (s + np.uint64(1)) & mask
+        mult[np.uint64(u)] += 1
+        local_inverse[j] = u
     return nu
 
 
