@@ -512,9 +512,11 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         slot_of[u] = ubase + nuniq
         nuniq += 1
     use_order = order.shape[0] > 0
-    for j in range(lo, hi):
-        i = order[j] if use_order else j
-        u = local_inverse[j - lo]
+    base = np.uint64(lo)
+    for jj in range(n):  # unsigned indices: no negative-index wrap per access (see dedupe)
+        j = np.uint64(jj)
+        i = np.uint64(order[base + j]) if use_order else base + j
+        u = np.uint64(local_inverse[j])
         out_rows[i] = row_of[u]
         inverse[i] = slot_of[u]
     return nuniq, 0
