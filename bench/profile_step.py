@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from hybridrec.benchmarks.timing import positive_int  # noqa: E402
+from hybridrec.benchmarks.timing import number_above, positive_int  # noqa: E402
 
 
 def readable(symbol: str) -> str:
@@ -59,20 +59,9 @@ def write_perf_map() -> int:
     return len(ordered)
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=positive_seconds, default=4.0, help="how long to sample (default 4)")
+    parser.add_argument("--seconds", type=number_above(0, "a number of seconds"), default=4.0, help="how long to sample (default 4)")
     parser.add_argument("--top", type=positive_int, default=20, help="lines of the report to print (default 20)")
     parser.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
     args = parser.parse_args(argv)

@@ -35,6 +35,22 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
+def number_above(bound: float, what: str = "a number") -> Callable[[str], float]:
+    """argparse type: a float > bound, with an error naming the value and the rule."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not value > bound:
+            shown = repr(text) if value is None else value
+            raise argparse.ArgumentTypeError(f"must be {what} > {bound:g}, got {shown}")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class TimingPlan:
     """How a system is measured: `warmup` untimed batches, then `repeats` timed

@@ -15,7 +15,7 @@ import numpy as np
 
 from hybridrec.mixing import mix64_array
 
-from hybridrec.benchmarks.timing import TimingPlan, positive_int, timing_plan_from_args
+from hybridrec.benchmarks.timing import TimingPlan, number_above, positive_int, timing_plan_from_args
 
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
@@ -67,15 +67,7 @@ class WorkloadShape:
         return self.batch_size * self.fields
 
 
-def _zipf_exponent(text: str) -> float:
-    """argparse type: a float > 1 (numpy's Zipf sampler needs it)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 1, got {text!r}") from None
-    if not value > 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number > 1, got {value}")
-    return value
+_zipf_exponent = number_above(1.0)  # numpy's Zipf sampler needs an exponent > 1
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
