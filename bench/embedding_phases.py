@@ -26,9 +26,9 @@ def phase_times(system, prepared, grad):
     group = coll._group_for(names)
     times = []
     for features in prepared:
-        bsz, where = coll._positions(features, names)
+        bsz, positions = coll._positions(features, names)
         start = time.perf_counter()
-        _, group_pass = group.forward(features, where, names, bsz, grad.shape[2], True)
+        _, group_pass = group.forward(features, positions, bsz, grad.shape[2], True)
         middle = time.perf_counter()
         group_pass.backward(grad)
         times.append((middle - start, time.perf_counter() - middle))
