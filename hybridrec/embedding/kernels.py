@@ -273,7 +273,9 @@ def _init_row(rows, r, key, seed, icfg, fcfg):
                     break
             rows[r, j] = min(max(v, mean - bound), mean + bound)
     init = fcfg[FC_STATE_INIT]
-    for j in range(dim, dim + icfg[IC_STATE]):
+    # unsigned bounds: with a signed column numba wraps negative indices, and LLVM stored the
+    # state with scatter instructions instead of contiguous vector stores (see dedupe)
+    for j in range(np.uint64(dim), np.uint64(dim + icfg[IC_STATE])):
         rows[r, j] = init
 
 
