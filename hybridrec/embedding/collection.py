@@ -36,7 +36,6 @@ class _TablePass:
     features: list  # (output group, column in the group, offsets into the table's keys)
 
 
-_EMPTY = np.empty(0, np.int64)
 _LAYOUTS_KEPT = 64  # batch layouts whose feature positions a collection remembers
 
 
@@ -77,7 +76,7 @@ class _TableGroup:
     """The fast path: tables that each serve one feature, probed and updated in one kernel call
     per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, made once but
     for the list of indexes, which is made anew when a store's index grows. Scratch arrays that
-    live only inside one kernel call (key hashes, the unique rows' gradient) are kept between
+    live only inside one kernel call (the unique rows' gradient) are kept between
     calls (`_scratch`): allocated anew each step, their megabytes were page-faulted in again
     every time."""
 
@@ -140,12 +139,10 @@ class _TableGroup:
         failed = np.zeros(len(self.stores), np.int64)
         mode = K.MODE_TRAIN if train else K.MODE_FIND
         with self.locks:
-            hashes = self._scratch("hashes", (n,), np.uint64)
-            K.compute_partitions(features.values, 1, hashes, _EMPTY)
             for _ in range(2):  # a second call only after _service
                 self._follow_index_growth()
                 status = GK.lookup_pool_tables(
-                    features.values, hashes, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
+                    features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
                     self.meta64_l, self.index_l, self.parts_l, self.sketch_l, self.scalars_l, self.icfg, self.fcfg,
                     self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq,
                     out, failed)

@@ -20,7 +20,7 @@ NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
+def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
                        meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode, rooms,
                        out_rows, inverse, uniq_rows, uniq_keys, nuniq, out, failed):
     """Probe every table's segment, then pool it into out[:, t, :]. Returns 0, or t + 1 for the
@@ -37,6 +37,7 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
         if mode != K.MODE_FIND and parts_l[t][0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
             return NEEDS_SERVICE
     empty = np.empty(0, np.int64)
+    unhashed = np.empty(0, np.uint64)  # dedupe hashes each key as it reads it
     for tp in prange(ntab):
         t = np.int64(tp)  # typed lists want a signed index
         lo = seg_lo[t]
@@ -44,7 +45,7 @@ def lookup_pool_tables(keys, hashes, seg_lo, seg_hi, feat_base, sample_offsets, 
         scalars = scalars_l[t]
         scalars[K.SC_EPOCH] += 1
         scalars[K.SC_DIRTY] = 1
-        n, err = K._lookup_partition(0, keys, hashes, empty, lo, hi, rows_l[t], meta_l[t], meta64_l[t],
+        n, err = K._lookup_partition(0, keys, unhashed, empty, lo, hi, rows_l[t], meta_l[t], meta64_l[t],
                                      index_l[t], parts_l[t], sketch_l[t], icfg[t], fcfg[t], seeds[t],
                                      scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
         scalars[K.SC_DIRTY] = 0

@@ -342,11 +342,13 @@ def _age_counts(r32, meta, parts, p):
 @njit(cache=True, nogil=True)
 def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
     """Unique keys of positions lo..hi (through `order` when it is not empty), in first-seen
-    order, with their hash and multiplicity, and each position's index among them
+    order, with their index hash and multiplicity, and each position's index among them
     (local_inverse[j - lo]), through a small open-addressing table that stays in L1/L2. The
     store probes its big index once per distinct key this way, never per duplicate; the PS
-    client and the wire layout use it too (`first_seen_unique`). Returns the number of distinct
-    keys."""
+    client and the wire layout use it too (`first_seen_unique`). `hashes` holds each key's
+    `_index_hash` when the caller computed them already (to partition the keys); when it is
+    empty they are computed here, which saves a pass that writes and reads them back. Returns
+    the number of distinct keys."""
     n = hi - lo
     size = 16
     while size < 2 * n:
@@ -355,6 +357,7 @@ def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
     table = np.full(size, -1, np.int32)
     nu = 0
     use_order = order.shape[0] > 0
+    hashed = hashes.shape[0] > 0
     # Unsigned indices throughout: numba turns every access with a signed index into a check
     # for a negative one (and the add that wraps it), which, with the registers it took, made
     # this loop 7.4 ns per key instead of 5.2.
@@ -363,7 +366,7 @@ def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
         j = np.uint64(jj)
         i = np.uint64(order[base + j]) if use_order else base + j
         key = keys[i]
-        h = hashes[i]
+        h = hashes[i] if hashed else _index_hash(key)
         s = h & mask
         while True:
             u = table[s]
@@ -537,10 +540,10 @@ def lookup_parallel(keys, hashes, order, starts, rows, r32, r64, index, parts, s
 
 
 @njit(cache=True, nogil=True)
-def lookup_serial(keys, hashes, rows, r32, r64, index, parts, sketch, icfg, fcfg, seed, epoch,
+def lookup_serial(keys, rows, r32, r64, index, parts, sketch, icfg, fcfg, seed, epoch,
                   mode, out_rows, inverse, uniq_rows):
-    """One partition: the common single-thread path, no reordering."""
-    return _lookup_partition(0, keys, hashes, np.empty(0, np.int64), 0, keys.shape[0], rows, r32,
+    """One partition: the common single-thread path, no reordering (dedupe hashes the keys)."""
+    return _lookup_partition(0, keys, np.empty(0, np.uint64), np.empty(0, np.int64), 0, keys.shape[0], rows, r32,
                              r64, index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
                              inverse, uniq_rows, 0)
 

@@ -138,7 +138,6 @@ class EmbeddingStore:
             self.scalars[:] = 0
             self.sketch[:] = 0
             self.scalars[S_MAGIC] = _MAGIC
-        self._hashes = np.empty(0, np.uint64)
 
     @classmethod
     def attach(cls, shm_name: str) -> "EmbeddingStore":
@@ -261,16 +260,15 @@ class EmbeddingStore:
         self._check_epoch()
         self.scalars[S_EPOCH] += 1
         epoch = int(self.scalars[S_EPOCH])
-        hashes = np.empty(n, np.uint64)
-        part_of = np.empty(n if self.nparts > 1 else 0, np.int64)
-        if self.nparts == 1:
-            K.compute_partitions(keys, 1, hashes, part_of)
+        if self.nparts == 1:  # the kernel hashes the keys as it dedupes them
             self.scalars[S_DIRTY] = 1
-            nuniq, err = K.lookup_serial(keys, hashes, self.rows, self.r32, self.r64, self.index, self.parts,
+            nuniq, err = K.lookup_serial(keys, self.rows, self.r32, self.r64, self.index, self.parts,
                                          self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode,
                                          out_rows, inverse, uniq)
             self.scalars[S_DIRTY] = 0
         else:
+            hashes = np.empty(n, np.uint64)
+            part_of = np.empty(n, np.int64)
             K.compute_partitions(keys, self.nparts, hashes, part_of)
             order = np.empty(n, np.int64)
             starts = np.empty(self.nparts + 1, np.int64)

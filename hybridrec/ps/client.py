@@ -33,6 +33,7 @@ from hybridrec.embedding.hashing import table_route_id
 from hybridrec.ps.dense import check_optimizer, check_tensors
 
 _NONE = np.empty(0, dtype=np.int64)  # no partitions, no reordering
+_UNHASHED = np.empty(0, dtype=np.uint64)  # no precomputed hashes: dedupe computes them
 
 
 @njit(cache=True, nogil=True)
@@ -78,10 +79,8 @@ def first_seen_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Deterministic: two processes deduplicating the same keys agree on the order, so one can
     send rows for the unique keys and the other map them back without sending the index."""
     n = len(keys)
-    hashes = np.empty(n, dtype=np.uint64)
-    K.compute_partitions(keys, 1, hashes, _NONE)
     unique_keys, inverse = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.int64)
-    count = K.dedupe(keys, hashes, _NONE, 0, n, unique_keys, np.empty(n, dtype=np.uint64),
+    count = K.dedupe(keys, _UNHASHED, _NONE, 0, n, unique_keys, np.empty(n, dtype=np.uint64),
                      np.empty(n, dtype=np.int64), inverse)
     return unique_keys[:count], inverse
 
