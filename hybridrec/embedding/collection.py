@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import threading
 from typing import Mapping
 
 import numpy as np
@@ -42,10 +43,11 @@ _LAYOUTS_KEPT = 64  # batch layouts whose feature positions a collection remembe
 class _StoreLocks:
     """Holds every store's lock, taken in one fixed order, while a group kernel mutates them.
     Plain acquire/release over a list made once, with no generator frames around them (an
-    ExitStack of 26 locks cost ~20 us per call, twice per step)."""
+    ExitStack of 26 locks cost ~20 us per call, twice per step). A lock that several stores
+    share is taken once: the stores a collection creates share one (`share_lock`)."""
 
     def __init__(self, stores):
-        self._locks = [store._lock for store in stores]
+        self._locks = list({id(store._lock): store._lock for store in stores}.values())
 
     def __enter__(self):
         taken = 0
@@ -253,6 +255,9 @@ class EmbeddingCollection(torch.nn.Module):
             name: (EmbeddingStore.open_shared(f"{shm_prefix}-{name}", cfg) if shm_prefix else EmbeddingStore(cfg))
             for name, cfg in configs.items()
         }
+        shared_lock = threading.RLock()  # one lock for the one-call path to take, not one per table
+        for store in self.stores.values():
+            store.share_lock(shared_lock)
         self.dims = {f: configs[t].dim for f, t in mapping.items()}
         self._table_users = {t: list(mapping.values()).count(t) for t in configs}
         self._groups: dict = {}

@@ -180,6 +180,12 @@ class EmbeddingStore:
 
     unlink_shared = staticmethod(unlink_shared)
 
+    def share_lock(self, lock) -> None:
+        """Serialise this store's calls on `lock`, a `threading.RLock` that other stores hold too,
+        so that code mutating all of them at once takes one lock, not one per store (the tables of
+        an `EmbeddingCollection`). Call it before the store is used from more than one thread."""
+        self._lock = lock
+
     # ---------------------------------------------------------------- index growth
     def _set_slot_layout(self, slots: np.ndarray) -> None:
         self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
