@@ -109,10 +109,12 @@ def test_bad_batches_are_refused_with_the_argument_named():
     assert len(coll.stores["f"]) == 0
 
 
-def test_many_tables_in_one_call_match_per_table_stores():
+@pytest.mark.parametrize("admit_probability", [1.0, 0.5])  # 0.5: refused keys (no unique row) among the others
+def test_many_tables_in_one_call_match_per_table_stores(admit_probability):
     rng = np.random.default_rng(3)
     names = [f"f{i}" for i in range(5)]
-    cfg = dict(dim=4, capacity=500, optimizer={"name": "adagrad", "lr": 0.1}, pooling="mean")
+    cfg = dict(dim=4, capacity=500, optimizer={"name": "adagrad", "lr": 0.1}, pooling="mean",
+               admit_probability=admit_probability)
     coll = EmbeddingCollection({n: TableConfig(seed=i, **cfg) for i, n in enumerate(names)})
     refs = [EmbeddingStore(seed=i, **cfg) for i in range(len(names))]
     for _ in range(5):

@@ -75,11 +75,16 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
     # summed; the [B, T, dim] gradient is then read with a stride of T*dim floats, which hardware
     # prefetch does not follow, so its lines are prefetched GRAD_AHEAD samples ahead. Sample-major
     # streamed the gradient but scattered over every table's unique rows at once (megabytes).
+    # No zeroing pass: a table's unique rows are numbered in the order their keys first appear
+    # (lookup_pool_tables), which is the order this loop meets them, so the first sighting of
+    # each writes its row and later ones add. Clearing them first (a memset) and adding every
+    # time cost 15% more here.
+    covered = np.empty(ntab, np.int64)
     for tp in prange(ntab):
         t = np.int64(tp)
-        ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]] = 0.0
         base = feat_base[t]
         scale_mode = pool_modes[t]
+        first_unseen = seg_lo[t]
         for b in range(batch_size):
             if b + GRAD_AHEAD < batch_size:
                 prefetch_cell(grad, b + GRAD_AHEAD, t)
@@ -88,9 +93,17 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
             scale = K._pool_scale(end - start, scale_mode)
             for i in range(start, end):
                 u = inverse[i]
-                if u >= 0:
+                if u == first_unseen:
+                    for d in range(ugrad.shape[1]):
+                        ugrad[u, d] = scale * grad[b, t, d]
+                    first_unseen += 1
+                elif u >= 0:
                     for d in range(ugrad.shape[1]):
                         ugrad[u, d] += scale * grad[b, t, d]
+        covered[t] = first_unseen - seg_lo[t]
+    for t in range(ntab):
+        if covered[t] != nuniq[t]:
+            raise AssertionError("backward_tables: unique rows not numbered in first-seen order")
     finite = np.ones(ntab, np.bool_)
     for t in prange(ntab):  # a NaN/inf gradient reaches the sum of its row
         finite[t] = K.all_finite(ugrad[seg_lo[t]:seg_lo[t] + nuniq[t]])
