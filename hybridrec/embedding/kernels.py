@@ -362,11 +362,24 @@ def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
     # for a negative one (and the add that wraps it), which, with the registers it took, made
     # this loop 7.4 ns per key instead of 5.2.
     base = np.uint64(lo)
+    last = np.uint64(n - 1)
+    # The next position's key and hash are read one iteration early, so that hashing (a chain
+    # of multiplies) runs before this iteration's unpredictable new-or-seen branch rather than
+    # after each misprediction: 6.5 -> 6.3 ns per key, hashing included, on the bench's batches.
+    next_key = np.uint64(0)
+    next_h = np.uint64(0)
+    if n > 0:
+        i = np.uint64(order[base]) if use_order else base
+        next_key = keys[i]
+        next_h = hashes[i] if hashed else _index_hash(next_key)
     for jj in range(n):
         j = np.uint64(jj)
-        i = np.uint64(order[base + j]) if use_order else base + j
-        key = keys[i]
-        h = hashes[i] if hashed else _index_hash(key)
+        key = next_key
+        h = next_h
+        if j < last:
+            i = np.uint64(order[base + j + np.uint64(1)]) if use_order else base + j + np.uint64(1)
+            next_key = keys[i]
+            next_h = hashes[i] if hashed else _index_hash(next_key)
         s = h & mask
         while True:
             u = table[s]
