@@ -260,3 +260,20 @@ def test_features_are_found_by_name_whatever_their_order_in_the_batch():
         shuffled = _features(order, [ids[name] for name in order])
         np.testing.assert_array_equal(coll.forward_stacked(shuffled).numpy(), expected)
         np.testing.assert_array_equal(coll.forward_stacked(shuffled, ["c", "a"]).numpy(), expected[:, [2, 0]])
+
+
+def test_a_replaced_store_serves_the_next_batch_and_bad_replacements_are_refused():
+    coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=10) for name in ("a", "b")})
+    batch = _features(["a", "b"], [[[1]], [[2]]])
+    replacement = EmbeddingStore(dim=2, capacity=10, seed=99)
+    expected = replacement.pull(np.array([2], np.uint64))
+    coll.replace_store("b", replacement)
+    out = coll.forward_stacked(batch)
+    out.sum().backward()  # trains through the one-call path with the new store
+    np.testing.assert_array_equal(out[0, 1].detach().numpy(), expected[0])
+    assert replacement.step == 1 and coll.stores["a"].step == 1
+    with pytest.raises(ValueError, match=r"unknown table 'bb'.*'b'"):
+        coll.replace_store("bb", EmbeddingStore(dim=2, capacity=10))
+    with pytest.raises(ValueError, match=r"table 'a' has dim 2, the new store has dim 3"):
+        coll.replace_store("a", EmbeddingStore(dim=3, capacity=10))
+    assert coll.stores["b"] is replacement

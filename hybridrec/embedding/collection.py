@@ -44,7 +44,8 @@ class _StoreLocks:
     """Holds every store's lock, taken in one fixed order, while a group kernel mutates them.
     Plain acquire/release over a list made once, with no generator frames around them (an
     ExitStack of 26 locks cost ~20 us per call, twice per step). A lock that several stores
-    share is taken once: the stores a collection creates share one (`share_lock`)."""
+    share is taken once: the stores a collection creates, or is given by `replace_store`, share
+    one (`share_lock`)."""
 
     def __init__(self, stores):
         self._locks = list({id(store._lock): store._lock for store in stores}.values())
@@ -140,14 +141,13 @@ class _TableGroup:
         mode = K.MODE_TRAIN if train else K.MODE_FIND
         with self.locks:
             out_rows = self._scratch("out_rows", (n,), np.int32)  # each key's row, read only by the pooling
-            failed = self._scratch("failed", (len(self.stores),), np.int64)  # written for every table that runs
             for _ in range(2):  # a second call only after _service
                 self._follow_index_growth()
                 status = GK.lookup_pool_tables(
                     features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
                     self.meta64_l, self.index_l, self.parts_l, self.sketch_l, self.scalars_l, self.icfg, self.fcfg,
                     self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq,
-                    out, failed)
+                    out)
                 if status != GK.NEEDS_SERVICE:
                     break
                 self._service(seg_lo, seg_hi, train)
@@ -259,9 +259,9 @@ class EmbeddingCollection(torch.nn.Module):
             name: (EmbeddingStore.open_shared(f"{shm_prefix}-{name}", cfg) if shm_prefix else EmbeddingStore(cfg))
             for name, cfg in configs.items()
         }
-        shared_lock = threading.RLock()  # one lock for the one-call path to take, not one per table
+        self._lock = threading.RLock()  # shared by the stores: the one-call path takes one lock, not one per table
         for store in self.stores.values():
-            store.share_lock(shared_lock)
+            store.share_lock(self._lock)
         self.dims = {f: configs[t].dim for f, t in mapping.items()}
         self._table_users = {t: list(mapping.values()).count(t) for t in configs}
         self._groups: dict = {}
@@ -383,6 +383,19 @@ class EmbeddingCollection(torch.nn.Module):
         return self._run(features, [names])[0]
 
     # ---------------------------------------------------------------- persistence helpers
+    def replace_store(self, table: str, store: EmbeddingStore) -> None:
+        """Serve `table` from `store` from now on (e.g. one loaded from a checkpoint). It must have
+        the table's dim; it takes the collection's shared lock, so the one-call path still takes
+        one lock per phase."""
+        if table not in self.stores:
+            raise ValueError(f"table: unknown table {table!r}{closest_hint(table, self.stores)}; "
+                             f"tables: {sorted(self.stores)}")
+        if store.dim != self.stores[table].dim:
+            raise ValueError(f"store: table {table!r} has dim {self.stores[table].dim}, the new store has "
+                             f"dim {store.dim}; a replacement must keep the dim")
+        store.share_lock(self._lock)
+        self.stores[table] = store
+
     def stats(self) -> dict:
         return {name: store.stats() for name, store in self.stores.items()}
 

@@ -22,9 +22,9 @@ NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
                        meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode, rooms,
-                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out, failed):
+                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
     """Probe every table's segment, then pool it into out[:, t, :]. Returns 0, or t + 1 for the
-    first table t that ran out of evictable rows (failed[t] = 1 for each such table), or
+    first table t that ran out of evictable rows, or
     NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
     mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
     the index or restarts the epoch (store._reserve, store._check_epoch) and calls again. These
@@ -37,6 +37,7 @@ def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_si
         if mode != K.MODE_FIND and parts_l[t][0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
             return NEEDS_SERVICE
     empty = np.empty(0, np.int64)
+    failed = np.zeros(ntab, np.int64)
     unhashed = np.empty(0, np.uint64)  # dedupe hashes each key as it reads it
     for tp in prange(ntab):
         t = np.int64(tp)  # typed lists want a signed index

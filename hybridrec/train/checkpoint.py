@@ -133,7 +133,7 @@ def load_training(path, model, optimizer=None, cfg=None) -> dict:
         for tname, store in list(collection.stores.items()):
             directory = path / "embeddings" / cname / tname.replace(":", "_")
             loaded = load_store(directory, **_layout_of(store))
-            collection.stores[tname] = loaded
+            collection.replace_store(tname, loaded)
     return record
 
 
