@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from hybridrec.embedding import EmbeddingStore, unlink_shared
-from hybridrec.embedding.store import S_MAGIC
+from hybridrec.embedding.memory import shm_path
+from hybridrec.embedding.kernels import PT_SLOT_COUNT, PT_SLOT_START
+from hybridrec.embedding.store import S_DIRTY, S_INDEX_GEN, S_MAGIC
 
 BATCHES = textwrap.dedent("""
     import numpy as np
@@ -135,3 +137,61 @@ def test_a_store_of_the_untagged_index_layout_is_refused_by_name(shm_name):
     store.close()
     with pytest.raises(ValueError, match=f"shm_name: '{shm_name}' holds a store of an earlier hybridrec layout"):
         EmbeddingStore.attach(shm_name)
+
+
+def _slots_in_use(store):
+    """The end of the last partition's index slots."""
+    return int((store.parts[:, PT_SLOT_START] + store.parts[:, PT_SLOT_COUNT]).max())
+
+
+def _trained(store, keys):
+    """Rows of `keys` after one update, so that they differ from any key's first value."""
+    store.pull(keys)
+    store.push(keys, np.ones((len(keys), store.dim), np.float32))
+    return store.pull(keys, insert=False)
+
+
+def test_index_growth_writes_only_the_slots_in_use(shm_name):
+    """The index file is made at its full-capacity size, but a store holding few keys writes only
+    the first slots: the rest stay unwritten file pages, which cost no memory."""
+    store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=100_000)
+    index_before = store.index
+    keys = np.arange(1, 3001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    rows = _trained(store, keys)  # several doublings of the index
+    assert store.index is index_before  # grown in place: readers holding the array still see it
+    used = _slots_in_use(store)
+    assert 2 * len(keys) <= used < len(store.index) // 4
+    assert (store.index[used:] == 0).all()
+    store.close()
+    again = EmbeddingStore.attach(shm_name)
+    np.testing.assert_array_equal(again.pull(keys, insert=False), rows)
+
+
+def test_a_store_whose_index_file_grew_with_its_keys_is_attached_and_repaired(shm_name):
+    """Stores written by hybridrec before the full-size index kept a file only as large as the
+    current generation's slots; attaching one gives it the full-size index and re-inserts every key."""
+    store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=5000, num_threads=2)
+    keys = np.arange(1, 1001, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+    rows = _trained(store, keys)
+    used = _slots_in_use(store)
+    store.close()
+    # the earlier layout's file size, its entries lost, so only a re-insertion finds the keys
+    (shm_path(shm_name) / "index.bin").write_bytes(np.full(used, -1, np.int32).tobytes())
+    again = EmbeddingStore.attach(shm_name)
+    assert len(again.index) == len(store.index)
+    np.testing.assert_array_equal(again.pull(keys, insert=False), rows)
+    assert len(again) == len(keys)
+
+
+def test_a_growth_interrupted_before_its_keys_were_reinserted_is_repaired_on_attach(shm_name):
+    store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=5000)
+    keys = np.arange(1, 201, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    rows = _trained(store, keys)
+    # what a kill inside _reserve leaves: the dirty mark, the next generation, slots not re-filled
+    store.scalars[S_DIRTY] = 1
+    store.scalars[S_INDEX_GEN] += 1
+    store.index[:] = 0
+    store.close()
+    again = EmbeddingStore.attach(shm_name)
+    np.testing.assert_array_equal(again.pull(keys, insert=False), rows)
+    assert again.scalars[S_DIRTY] == 0 and again.scalars[S_INDEX_GEN] >= 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import threading
 from typing import Mapping
 
@@ -77,8 +76,8 @@ def _typed_list(arrays):
 
 class _TableGroup:
     """The fast path: tables that each serve one feature, probed and updated in one kernel call
-    per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, made once but
-    for the list of indexes, which is made anew when a store's index grows. Scratch arrays that
+    per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, made once: a
+    store keeps its arrays for life (its index grows inside a full-size array). Scratch arrays that
     live only inside one kernel call (the unique rows' gradient, each key's row) are kept between
     calls (`_scratch`): allocated anew each step, their megabytes were page-faulted in again
     every time."""
@@ -92,9 +91,9 @@ class _TableGroup:
         self.parts_l = _typed_list([s.parts for s in stores])
         self.sketch_l = _typed_list([s.sketch for s in stores])
         self.scalars_l = _typed_list([s.scalars for s in stores])
-        self._indexes = [s.index for s in stores]
-        self.index_l = _typed_list(self._indexes)
-        self.rooms = np.array([s._room for s in stores], dtype=np.int64)
+        self.index_l = _typed_list([s.index for s in stores])
+        self.rooms = np.empty(len(stores), np.int64)
+        self._follow_index_growth()
         self._scratch_arrays: dict[str, np.ndarray] = {}
         cfgs = [s.config for s in stores]
         self.icfg = np.stack([s.icfg for s in stores])
@@ -105,17 +104,10 @@ class _TableGroup:
         self.opt_params = np.stack([s.opt_params for s in stores])
 
     def _follow_index_growth(self):
-        """Points the kernels at each store's current index, and `rooms` at the keys it may hold
-        before it must grow (`store._room`, which changes only with the index). A store replaces
-        its index array when it grows, and only that array, so only the index list is made anew:
-        rebuilding all seven typed lists cost ~0.6 ms, often enough while tables fill to be ~150 us
-        per step. (Swapping the one item in place is slower still: a typed list's __setitem__
-        from Python took ~1.3 ms here.)"""
-        indexes = [s.index for s in self.stores]
-        if any(map(operator.is_not, indexes, self._indexes)):
-            self.index_l = _typed_list(indexes)
-            self.rooms = np.array([s._room for s in self.stores], dtype=np.int64)
-            self._indexes = indexes
+        """Sets `rooms` to the keys each store's index may hold before it must grow. A store may
+        grow outside this group too (a direct `pull`); a room read before that is only smaller
+        than the store's, so the kernel asks for `_service` once more and this catches up."""
+        self.rooms[:] = [s._room for s in self.stores]
 
     def _scratch(self, name: str, shape: tuple, dtype) -> np.ndarray:
         """A reusable uninitialised array; callers hold the stores' locks while they use it."""
@@ -142,7 +134,6 @@ class _TableGroup:
         with self.locks:
             out_rows = self._scratch("out_rows", (n,), np.int32)  # each key's row, read only by the pooling
             for _ in range(2):  # a second call only after _service
-                self._follow_index_growth()
                 status = GK.lookup_pool_tables(
                     features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
                     self.meta64_l, self.index_l, self.parts_l, self.sketch_l, self.scalars_l, self.icfg, self.fcfg,
@@ -151,6 +142,7 @@ class _TableGroup:
                 if status != GK.NEEDS_SERVICE:
                     break
                 self._service(seg_lo, seg_hi, train)
+                self._follow_index_growth()
             else:
                 raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
                                    "being given them; this is a bug in hybridrec")

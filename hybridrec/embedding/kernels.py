@@ -795,12 +795,13 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
 
 @njit(cache=True, nogil=True)
 def rebuild_index(r64, index, parts, meta, row_bits):
-    """Re-insert every live row's key (after loading rows, or repairing an interrupted update)."""
+    """Re-insert every live row's key into the slots the partitions use (after the index grew,
+    rows were loaded, or an interrupted update is repaired). Slots past them are not touched."""
     kcol = meta // 2
-    index[:] = -1
     for p in range(parts.shape[0]):
         s0 = parts[p, PT_SLOT_START]
         ns = parts[p, PT_SLOT_COUNT]
+        index[s0:s0 + ns] = -1
         start = parts[p, PT_ROW_START]
         for r in range(start, start + parts[p, PT_SIZE]):
             key = r64[r, kcol]

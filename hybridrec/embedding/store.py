@@ -27,12 +27,16 @@ LOAD_FACTOR = 0.5  # at most this many live keys per index slot
 MIN_SLOTS = 64  # index slots per partition at generation 0; each generation doubles them
 
 
+def full_slot_counts(row_counts: np.ndarray) -> np.ndarray:
+    """Index slots per partition once every row is in use."""
+    return np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
+
+
 def slot_counts(row_counts: np.ndarray, generation: int) -> np.ndarray:
     """Index slots per partition at an index generation: doubling from MIN_SLOTS up to the
     number a full partition needs. The index grows with the live keys, never past that bound,
     so a large mostly-empty table keeps a small, cache-resident index."""
-    full = np.maximum(np.ceil(row_counts / LOAD_FACTOR).astype(np.int64), 8)
-    return np.minimum(full, MIN_SLOTS << min(generation, 40))
+    return np.minimum(full_slot_counts(row_counts), MIN_SLOTS << min(max(generation, 0), 40))
 
 
 @dataclasses.dataclass
@@ -121,9 +125,15 @@ class EmbeddingStore:
         self.row_counts = row_counts
         self.parts = a.array("parts", (nparts, K.PARTS_WIDTH), np.int64, create=create)
         self.scalars = a.array("scalars", (SCALARS_WIDTH,), np.int64, create=create)
-        generation = 0 if create else self._generation_of_index_file()
-        slots = slot_counts(row_counts, generation)
-        self.index = a.array("index", (int(slots.sum()),), np.int32, fill=-1, create=create)
+        # The index array is made once, for the full layout; a generation uses its first slots
+        # (`_reserve`). Growing thus re-lays those slots in place instead of allocating a new array:
+        # on fresh pages the allocation's faults cost as much as the re-insertion, and with two
+        # doublings per table in the bench's first 60 batches the two were 5-10% of that span.
+        full_slots = int(full_slot_counts(row_counts).sum())
+        if not create and a.size_of("index", np.int32) != full_slots:
+            self.index = None  # made by an earlier hybridrec, whose index file grew with the keys: see attach
+        else:
+            self.index = a.array("index", (full_slots,), np.int32, create=create, prefault=cfg.prefault)
         sketch_width = 1
         if cfg.admit_min_frequency > 1:
             sketch_width = 1 << max(10, int(np.ceil(np.log2(max(cfg.capacity, 2)))) - 1)
@@ -132,6 +142,8 @@ class EmbeddingStore:
             self.parts[:] = 0
             self.parts[:, K.PT_ROW_START] = np.concatenate([[0], np.cumsum(row_counts)[:-1]])
             self.parts[:, K.PT_ROW_COUNT] = row_counts
+            slots = slot_counts(row_counts, 0)
+            self.index[:int(slots.sum())] = -1
             self._set_slot_layout(slots)
             self.parts[:, K.PT_HEAD] = -1
             self.parts[:, K.PT_TAIL] = -1
@@ -158,7 +170,10 @@ class EmbeddingStore:
                              f"without hash tags); save it with that version and load the checkpoint instead")
         if self.scalars[S_MAGIC] != _MAGIC:
             raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
-        if self.scalars[S_DIRTY] or self.scalars[S_INDEX_GEN] != self._generation_of_index_file():
+        if self.index is None:  # a full-size index in place of the grown one, then its keys re-inserted
+            self.scalars[S_DIRTY] = 1
+            self.index = arena.replace_array("index", (int(full_slot_counts(self.row_counts).sum()),), np.int32)
+        if self.scalars[S_DIRTY]:
             self._repair()
         else:
             self._set_slot_layout(self.parts[:, K.PT_SLOT_COUNT].copy())
@@ -191,19 +206,17 @@ class EmbeddingStore:
         self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
         self.parts[:, K.PT_SLOT_COUNT] = slots
         # keys a partition may hold before the index must grow (full partitions never grow)
-        full = slots >= np.maximum(np.ceil(self.row_counts / LOAD_FACTOR), 8)
+        full = slots >= full_slot_counts(self.row_counts)
         self._room = int(np.where(full, np.iinfo(np.int64).max // 4, np.floor(slots * LOAD_FACTOR)).min())
 
-    def _generation_of_index_file(self) -> int:
-        """The index generation whose size matches the index array as it exists now."""
-        total = self._arena.size_of("index", np.int32) if self._arena.path is not None else self.index.shape[0]
-        for generation in range(64):
-            slots = slot_counts(self.row_counts, generation)
-            if slots.sum() == total:
-                return generation
-            if (slots == np.maximum(np.ceil(self.row_counts / LOAD_FACTOR), 8)).all():
-                break
-        raise ValueError(f"store {self._arena.name!r}: index of {total} slots fits no layout (corrupt?)")
+    def _fitting_generation(self, generation: int, n_new: int) -> int:
+        """The first index generation from `generation` on whose slots keep every partition under
+        LOAD_FACTOR with n_new more keys (a partition never holds more than its rows)."""
+        need = np.minimum(self.parts[:, K.PT_SIZE] + n_new, self.row_counts) / LOAD_FACTOR
+        generation = max(generation, 0)
+        while (slot_counts(self.row_counts, generation) < need).any():
+            generation += 1
+        return generation
 
     def _reserve(self, n_new: int, rebuild: bool = False) -> None:
         """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR
@@ -212,23 +225,17 @@ class EmbeddingStore:
         if not rebuild and max(self.parts[:, K.PT_SIZE].tolist()) + n_new <= self._room:
             return
         gen = int(self.scalars[S_INDEX_GEN])
-        sizes = self.parts[:, K.PT_SIZE]
-        need = np.minimum(sizes + n_new, self.row_counts) / LOAD_FACTOR
-        new_gen = gen
-        while (slot_counts(self.row_counts, new_gen) < need).any():
-            new_gen += 1
+        new_gen = self._fitting_generation(gen, n_new)
         if new_gen == gen and not rebuild:
             return
-        slots = slot_counts(self.row_counts, new_gen)
-        self.scalars[S_DIRTY] = 1
-        self.index = self._arena.replace_array("index", (int(slots.sum()),), np.int32, fill=-1)
-        self._set_slot_layout(slots)
+        self.scalars[S_DIRTY] = 1  # until the keys are all re-inserted (a crash in between: attach repairs)
+        self._set_slot_layout(slot_counts(self.row_counts, new_gen))
         self.scalars[S_INDEX_GEN] = new_gen
         K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         self.scalars[S_DIRTY] = 0
 
     def _repair(self) -> None:
-        self.scalars[S_INDEX_GEN] = self._generation_of_index_file()
+        self.scalars[S_INDEX_GEN] = self._fitting_generation(int(self.scalars[S_INDEX_GEN]), 0)
         self._set_slot_layout(slot_counts(self.row_counts, int(self.scalars[S_INDEX_GEN])))
         bad = K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         if bad >= 0:
@@ -411,12 +418,10 @@ class EmbeddingStore:
         }
 
     def memory_bytes(self) -> int:
+        """Bytes of the store's arrays. Every array, the index included, is made at the size a full
+        store needs, so this is also the memory of the store at full capacity (pages never
+        written, of a store not prefaulted, are not backed until then)."""
         return int(self.rows.nbytes + self.meta.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
-
-    def capacity_bytes(self) -> int:
-        """Bytes the store occupies once every row is in use (the index then at its largest)."""
-        full_slots = int(slot_counts(self.row_counts, 40).sum())
-        return int(self.rows.nbytes + self.meta.nbytes + full_slots * 4 + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
     def stats(self) -> dict:
         p = self.parts
@@ -431,7 +436,7 @@ class EmbeddingStore:
             "rejected": int(p[:, K.PT_REJECTED].sum()),
             "dropped_updates": int(self.scalars[S_DROPPED]),
             "memory_bytes": self.memory_bytes(),
-            "bytes_per_row": self.capacity_bytes() / self.config.capacity,
+            "bytes_per_row": self.memory_bytes() / self.config.capacity,
             "shm_name": self._arena.name,
         }
 
