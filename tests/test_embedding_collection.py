@@ -277,3 +277,33 @@ def test_a_replaced_store_serves_the_next_batch_and_bad_replacements_are_refused
     with pytest.raises(ValueError, match=r"table 'a' has dim 2, the new store has dim 3"):
         coll.replace_store("a", EmbeddingStore(dim=3, capacity=10))
     assert coll.stores["b"] is replacement
+
+
+def test_the_address_table_keeps_the_stores_arrays_alive_and_views_them_unchanged():
+    """The group kernels reach every table's arrays through their addresses; the table must hold
+    the arrays, so they stay valid (and are the same memory) after the stores themselves are gone."""
+    import gc
+
+    from numba import njit
+
+    from hybridrec.embedding.table_arrays import TableArrays, index_of, meta64_of, rows_of, scalars_of
+
+    @njit
+    def read(tables, t):
+        return rows_of(tables, t).copy(), meta64_of(tables, t)[:, 0].copy(), index_of(tables, t).shape[0], \
+            scalars_of(tables, t)[K.SC_EPOCH]
+
+    stores = [EmbeddingStore(dim=4, capacity=64, seed=s) for s in (1, 2)]
+    for s in stores:
+        s.pull(np.arange(10, dtype=np.uint64) + np.uint64(1 << 63))
+    expected = [(s.rows.copy(), s.r64[:, 0].copy(), s.index.shape[0], s.scalars[K.SC_EPOCH]) for s in stores]
+    arrays = TableArrays(stores)
+    del stores, s
+    gc.collect()
+    junk = [np.full(4096, 7.0) for _ in range(256)]  # would take over freed memory
+    for t, (rows, keys, slots, epoch) in enumerate(expected):
+        got = read(arrays.table, t)
+        np.testing.assert_array_equal(got[0], rows)
+        np.testing.assert_array_equal(got[1], keys)
+        assert got[2:] == (slots, epoch)
+    del junk

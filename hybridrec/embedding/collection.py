@@ -17,13 +17,12 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from numba.typed import List as NumbaList
-
 from . import group_kernels as GK
 from . import kernels as K
 from .cache_hints import CACHE_LINE
 from .memory import aligned_empty
 from .store import EmbeddingStore, Lookup, check_keys
+from .table_arrays import TableArrays
 from .table import TableConfig, closest_hint
 
 
@@ -66,17 +65,9 @@ class _StoreLocks:
             lock.release()
 
 
-def _typed_list(arrays):
-    """A numba typed list of arrays, as the group kernels take them."""
-    out = NumbaList()
-    for array in arrays:
-        out.append(array)
-    return out
-
-
 class _TableGroup:
     """The fast path: tables that each serve one feature, probed and updated in one kernel call
-    per phase (group_kernels.py). Holds the stores' arrays in numba typed lists, made once: a
+    per phase (group_kernels.py). Holds the stores' arrays as one address table, made once: a
     store keeps its arrays for life (its index grows inside a full-size array). Scratch arrays that
     live only inside one kernel call (the unique rows' gradient, each key's row) are kept between
     calls (`_scratch`): allocated anew each step, their megabytes were page-faulted in again
@@ -85,13 +76,7 @@ class _TableGroup:
     def __init__(self, stores: list):
         self.stores = stores
         self.locks = _StoreLocks(stores)
-        self.rows_l = _typed_list([s.rows for s in stores])
-        self.meta_l = _typed_list([s.meta for s in stores])
-        self.meta64_l = _typed_list([s.r64 for s in stores])
-        self.parts_l = _typed_list([s.parts for s in stores])
-        self.sketch_l = _typed_list([s.sketch for s in stores])
-        self.scalars_l = _typed_list([s.scalars for s in stores])
-        self.index_l = _typed_list([s.index for s in stores])
+        self.arrays = TableArrays(stores)
         self.rooms = np.empty(len(stores), np.int64)
         self._follow_index_growth()
         self._scratch_arrays: dict[str, np.ndarray] = {}
@@ -135,10 +120,9 @@ class _TableGroup:
             out_rows = self._scratch("out_rows", (n,), np.int32)  # each key's row, read only by the pooling
             for _ in range(2):  # a second call only after _service
                 status = GK.lookup_pool_tables(
-                    features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.rows_l, self.meta_l,
-                    self.meta64_l, self.index_l, self.parts_l, self.sketch_l, self.scalars_l, self.icfg, self.fcfg,
-                    self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq,
-                    out)
+                    features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.arrays.table, self.icfg,
+                    self.fcfg, self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys,
+                    nuniq, out)
                 if status != GK.NEEDS_SERVICE:
                     break
                 self._service(seg_lo, seg_hi, train)
@@ -171,14 +155,13 @@ class _GroupPass:
     nuniq: np.ndarray
 
     def backward(self, grad: np.ndarray) -> None:
-        g = self.group  # its typed lists: only the index (which backward does not read) is ever replaced
+        g = self.group
         dropped = np.zeros(len(g.stores), np.int64)
         with g.locks:
             ugrad = g._scratch("ugrad", (self.inverse.shape[0], grad.shape[2]), np.float32)
             ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz,
-                                    g.rows_l, g.meta_l, g.meta64_l, g.scalars_l, self.uniq_rows, self.uniq_keys,
-                                    self.nuniq, ugrad, g.icfg, g.fcfg, g.opt_codes, g.opt_params, g.pool_modes,
-                                    dropped)
+                                    g.arrays.table, self.uniq_rows, self.uniq_keys, self.nuniq, ugrad, g.icfg, g.fcfg,
+                                    g.opt_codes, g.opt_params, g.pool_modes, dropped)
         if not ok:
             raise ValueError("embedding gradient contains NaN or inf; the update was refused and no row changed")
 

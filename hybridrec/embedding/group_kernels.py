@@ -4,7 +4,8 @@ scatter + fused update for a whole batch.
 The collection's fast path. With one store per feature, calling the per-table kernels costs
 four Python round trips per table per step; here a batch costs two calls whatever the number
 of tables, and with more than one numba thread the tables are served in parallel (Persia's
-per-thread subsets, here one table per task). Each table's arrays arrive through numba typed lists; table t serves the key
+per-thread subsets, here one table per task). Each table's arrays arrive as one row of an address
+table (table_arrays.py); table t serves the key
 segment [seg_lo[t], seg_hi[t]) of the batch (feature-major, so a feature's keys are contiguous) and
 its unique rows occupy uniq_rows[seg_lo[t] : seg_lo[t] + nuniq[t]]. The probe, the pooling and the
 update are the per-table kernels of kernels.py, so both paths compute the same values.
@@ -14,15 +15,15 @@ from numba import njit, prange
 
 from . import kernels as K
 from .cache_hints import prefetch_cell
+from .table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
 
 GRAD_AHEAD = 16  # samples ahead whose gradient line the backward scatter prefetches
 NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch restart first
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, rows_l, meta_l,
-                       meta64_l, index_l, parts_l, sketch_l, scalars_l, icfg, fcfg, seeds, pool_modes, mode, rooms,
-                       out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
+def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, tables, icfg, fcfg, seeds,
+                       pool_modes, mode, rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
     """Probe every table's segment, then pool it into out[:, t, :]. Returns 0, or t + 1 for the
     first table t that ran out of evictable rows, or
     NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
@@ -32,33 +33,34 @@ def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_si
     ntab = seg_lo.shape[0]
     for tp in range(ntab):
         t = np.int64(tp)
-        if scalars_l[t][K.SC_EPOCH] >= K.EPOCH_LIMIT:
+        if scalars_of(tables, t)[K.SC_EPOCH] >= K.EPOCH_LIMIT:
             return NEEDS_SERVICE
-        if mode != K.MODE_FIND and parts_l[t][0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
+        if mode != K.MODE_FIND and parts_of(tables, t)[0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
             return NEEDS_SERVICE
     empty = np.empty(0, np.int64)
     failed = np.zeros(ntab, np.int64)
     unhashed = np.empty(0, np.uint64)  # dedupe hashes each key as it reads it
     for tp in prange(ntab):
-        t = np.int64(tp)  # typed lists want a signed index
+        t = np.int64(tp)
         lo = seg_lo[t]
         hi = seg_hi[t]
-        scalars = scalars_l[t]
+        rows = rows_of(tables, t)
+        meta64 = meta64_of(tables, t)
+        scalars = scalars_of(tables, t)
         scalars[K.SC_EPOCH] += 1
         scalars[K.SC_DIRTY] = 1
-        n, err = K._lookup_partition(0, keys, unhashed, empty, lo, hi, rows_l[t], meta_l[t], meta64_l[t],
-                                     index_l[t], parts_l[t], sketch_l[t], icfg[t], fcfg[t], seeds[t],
-                                     scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
+        n, err = K._lookup_partition(0, keys, unhashed, empty, lo, hi, rows, meta_of(tables, t), meta64,
+                                     index_of(tables, t), parts_of(tables, t), sketch_of(tables, t), icfg[t],
+                                     fcfg[t], seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
         scalars[K.SC_DIRTY] = 0
         failed[t] = err
         if err != 0:
             continue
         nuniq[t] = n
-        meta64 = meta64_l[t]
         for u in range(lo, lo + n):
             uniq_keys[u] = meta64[uniq_rows[u], 0]
         base = feat_base[t]
-        K.gather_pool(rows_l[t], out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
+        K.gather_pool(rows, out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
     for t in range(ntab):
         if failed[t]:
             return t + 1
@@ -66,9 +68,8 @@ def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_si
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size, rows_l, meta_l, meta64_l,
-                    scalars_l, uniq_rows, uniq_keys, nuniq, ugrad, icfg, fcfg, opt_codes, opt_params, pool_modes,
-                    dropped):
+def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size, tables, uniq_rows, uniq_keys,
+                    nuniq, ugrad, icfg, fcfg, opt_codes, opt_params, pool_modes, dropped):
     """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
     Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
     ntab = seg_lo.shape[0]
@@ -114,10 +115,11 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
         t = np.int64(tp)
         lo = seg_lo[t]
         n = nuniq[t]
-        scalars = scalars_l[t]
+        scalars = scalars_of(tables, t)
         scalars[K.SC_STEP] += 1
         scalars[K.SC_DIRTY] = 1
-        dropped[t] = K.apply_updates(rows_l[t], meta_l[t], meta64_l[t], uniq_rows[lo:lo + n], uniq_keys[lo:lo + n],
+        dropped[t] = K.apply_updates(rows_of(tables, t), meta_of(tables, t), meta64_of(tables, t),
+                                     uniq_rows[lo:lo + n], uniq_keys[lo:lo + n],
                                      ugrad[lo:lo + n], icfg[t], fcfg[t], opt_codes[t], opt_params[t],
                                      scalars[K.SC_STEP])
         scalars[K.SC_DROPPED] += dropped[t]
