@@ -124,14 +124,13 @@ class Arena:
         """Number of elements of `dtype` in a named array's file."""
         return (self.path / f"{label}.bin").stat().st_size // np.dtype(dtype).itemsize
 
-    def replace_array(self, label: str, shape, dtype, fill=None) -> np.ndarray:
-        """A new array under `label`; for named memory the new file replaces the old one atomically."""
+    def replace_array(self, label: str, shape, dtype) -> np.ndarray:
+        """A new zero-filled array under `label`; for named memory the new file replaces the old
+        one atomically."""
         if self.path is None:
-            return self.array(label, shape, dtype, fill)
+            return self.array(label, shape, dtype, fill=0)
         tmp = self.path / f"{label}.bin.new"
-        arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=tuple(shape))
-        if fill is not None and fill != 0:
-            arr.fill(fill)
+        arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=tuple(shape))  # new tmpfs pages are zero
         os.replace(tmp, self.path / f"{label}.bin")
         return arr
 
