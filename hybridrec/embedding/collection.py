@@ -78,7 +78,7 @@ class _TableGroup:
         self.locks = _StoreLocks(stores)
         self.arrays = TableArrays(stores)
         self.rooms = np.empty(len(stores), np.int64)
-        self._follow_index_growth()
+        self._refresh_rooms()
         self._scratch_arrays: dict[str, np.ndarray] = {}
         cfgs = [s.config for s in stores]
         self.icfg = np.stack([s.icfg for s in stores])
@@ -88,7 +88,7 @@ class _TableGroup:
         self.opt_codes = np.array([s.opt_code for s in stores], dtype=np.int64)
         self.opt_params = np.stack([s.opt_params for s in stores])
 
-    def _follow_index_growth(self):
+    def _refresh_rooms(self):
         """Sets `rooms` to the keys each store's index may hold before it must grow. A store may
         grow outside this group too (a direct `pull`); a room read before that is only smaller
         than the store's, so the kernel asks for `_service` once more and this catches up."""
@@ -126,7 +126,7 @@ class _TableGroup:
                 if status != GK.NEEDS_SERVICE:
                     break
                 self._service(seg_lo, seg_hi, train)
-                self._follow_index_growth()
+                self._refresh_rooms()
             else:
                 raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
                                    "being given them; this is a bug in hybridrec")

@@ -318,8 +318,8 @@ def _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bi
     by the one before at the previous eviction: the new tail's row lines (for writing) and the
     metadata of the entries after its index slot (that slot was requested last time), then the
     next tail's index slot (its metadata was requested last time) and its predecessor's metadata.
-    Tables evicting every batch: 0.93 and 0.92 of the step with one stage only, which was itself
-    0.98 of none (bench/ab_step.py --capacity 20000); a third stage added nothing."""
+    Tables evicting every batch (bench/ab_step.py --capacity 20000): two stages took 0.93 and 0.92
+    of the step with one stage, which took 0.98 of none; a third stage added nothing."""
     t = parts[p, PT_TAIL]
     if t < 0:
         return
