@@ -102,6 +102,12 @@ def test_bad_batches_are_refused_with_the_argument_named():
         coll(JaggedFeatures(["f"], good.values, np.array([0, 1, 3], np.int64)))
     with pytest.raises(ValueError, match="negative length"):
         coll(JaggedFeatures(["f"], good.values, np.array([0, 2, 1, 2], np.int64)))
+    with pytest.raises(ValueError, match="features.values: must be 1-D"):
+        coll(JaggedFeatures(["f"], good.values.reshape(2, 1), good.offsets))
+    with pytest.raises(TypeError, match="features.offsets: must be a 1-D int64 numpy array, got int64 of shape"):
+        coll(JaggedFeatures(["f"], good.values, good.offsets.reshape(-1, 1)))
+    with pytest.raises(TypeError, match="features.offsets: must be a 1-D int64 numpy array, got int32"):
+        coll(JaggedFeatures(["f"], good.values, good.offsets.astype(np.int32)))
     with pytest.raises(ValueError, match="no feature 'f'"):
         coll(JaggedFeatures(["g"], good.values, good.offsets))
     with pytest.raises(ValueError, match="unknown table 'nope'"):
@@ -265,18 +271,47 @@ def test_features_are_found_by_name_whatever_their_order_in_the_batch():
 def test_a_replaced_store_serves_the_next_batch_and_bad_replacements_are_refused():
     coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=10) for name in ("a", "b")})
     batch = _features(["a", "b"], [[[1]], [[2]]])
+    coll.forward_stacked(batch).sum().backward()  # the one-call path is set up over the first stores
     replacement = EmbeddingStore(dim=2, capacity=10, seed=99)
     expected = replacement.pull(np.array([2], np.uint64))
     coll.replace_store("b", replacement)
     out = coll.forward_stacked(batch)
     out.sum().backward()  # trains through the one-call path with the new store
     np.testing.assert_array_equal(out[0, 1].detach().numpy(), expected[0])
-    assert replacement.step == 1 and coll.stores["a"].step == 1
+    assert replacement.step == 1 and coll.stores["a"].step == 2
+    with pytest.raises(TypeError):
+        coll.stores["b"] = EmbeddingStore(dim=2, capacity=10)  # read-only: replace_store is the way
     with pytest.raises(ValueError, match=r"unknown table 'bb'.*'b'"):
         coll.replace_store("bb", EmbeddingStore(dim=2, capacity=10))
     with pytest.raises(ValueError, match=r"table 'a' has dim 2, the new store has dim 3"):
         coll.replace_store("a", EmbeddingStore(dim=3, capacity=10))
     assert coll.stores["b"] is replacement
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_an_output_still_held_is_never_written_by_a_later_batch(train):
+    """The one-call path reuses its output array once nothing refers to it; an output, or a view of
+    it, that the caller still holds keeps its values through later batches."""
+    coll = EmbeddingCollection({name: TableConfig(dim=16, capacity=100) for name in ("a", "b")})
+    coll.train(train)
+    first = _features(["a", "b"], [[[1], [2]], [[3], [4]]])
+    second = _features(["a", "b"], [[[5], [6]], [[7], [8]]])
+    held = coll.forward_stacked(first)
+    seen = held.detach().clone()
+    column = coll.forward(first)["b"]  # a view into that call's output
+    seen_column = column.detach().clone()
+    for _ in range(3):
+        later = coll.forward_stacked(second)
+        assert not np.shares_memory(later.detach().numpy(), held.detach().numpy())
+        assert not np.shares_memory(later.detach().numpy(), column.detach().numpy())
+        del later
+    assert torch.equal(held.detach(), seen) and torch.equal(column.detach(), seen_column)
+    del held
+    again = coll.forward_stacked(second)
+    assert torch.equal(column.detach(), seen_column)
+    expected = np.stack([coll.stores[t].pull(np.array(ids, np.uint64), insert=False) for t, ids in
+                         (("a", [5, 6]), ("b", [7, 8]))], axis=1)
+    np.testing.assert_array_equal(again.detach().numpy(), expected)
 
 
 def test_the_address_table_keeps_the_stores_arrays_alive_and_views_them_unchanged():

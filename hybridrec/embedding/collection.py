@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
+from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
@@ -36,6 +38,7 @@ class _TablePass:
 
 
 _LAYOUTS_KEPT = 64  # batch layouts whose feature positions a collection remembers
+_UNDECIDED = object()  # _group_for: these feature names were not asked for yet
 
 
 class _StoreLocks:
@@ -65,21 +68,30 @@ class _StoreLocks:
             lock.release()
 
 
+def _lock_of(stores):
+    """What a group kernel holds while it mutates `stores`: their one lock when they share one
+    (the stores of a collection do), used directly as a context manager, else a `_StoreLocks`."""
+    locks = {id(store._lock): store._lock for store in stores}
+    return next(iter(locks.values())) if len(locks) == 1 else _StoreLocks(stores)
+
+
 class _TableGroup:
     """The fast path: tables that each serve one feature, probed and updated in one kernel call
     per phase (group_kernels.py). Holds the stores' arrays as one address table, made once: a
     store keeps its arrays for life (its index grows inside a full-size array). Scratch arrays that
     live only inside one kernel call (the unique rows' gradient, each key's row) are kept between
     calls (`_scratch`): allocated anew each step, their megabytes were page-faulted in again
-    every time."""
+    every time. The pooled output array is reused too once nothing refers to it any more
+    (`_output`)."""
 
     def __init__(self, stores: list):
         self.stores = stores
-        self.locks = _StoreLocks(stores)
+        self.lock = _lock_of(stores)
         self.arrays = TableArrays(stores)
         self.rooms = np.empty(len(stores), np.int64)
         self._refresh_rooms()
         self._scratch_arrays: dict[str, np.ndarray] = {}
+        self._last_output = None
         cfgs = [s.config for s in stores]
         self.icfg = np.stack([s.icfg for s in stores])
         self.fcfg = np.stack([s.fcfg for s in stores])
@@ -102,41 +114,50 @@ class _TableGroup:
             arr = self._scratch_arrays[name] = aligned_empty((max(size, 1),), dtype, CACHE_LINE)
         return arr[:size].reshape(shape)
 
+    def _output(self, bsz: int, dim: int) -> np.ndarray:
+        """The [bsz, tables, dim] array to pool into, 64-byte aligned (a 64-byte row is one line):
+        the one handed out last time when nothing refers to it any more (the tensor made from it,
+        and every view of that, are gone; CPython's reference count says so exactly), else a new
+        one. Allocating it each step cost ~85 us with the caches cold, reusing it ~7."""
+        if (self._last_output is None or sys.getrefcount(self._last_output) != 2  # this attribute, the argument
+                or self._last_output.shape != (bsz, len(self.stores), dim)):
+            self._last_output = aligned_empty((bsz, len(self.stores), dim), np.float32, CACHE_LINE)
+        return self._last_output
+
     def forward(self, features, positions, bsz, dim, train):
         """Pooled [bsz, tables, dim] output of the features at `positions` in the batch (one per
         table, in table order) and the pass its backward needs."""
+        keys = features.values
         offsets = features.offsets
-        feat_base = positions * bsz
-        seg_lo = offsets[feat_base]
-        seg_hi = offsets[feat_base + bsz]
-        n = features.values.shape[0]
+        n = keys.shape[0]
+        ntab = positions.shape[0]
         inverse = np.empty(n, np.int32)
         uniq_rows = np.empty(n, np.int32)
         uniq_keys = np.empty(n, np.uint64)
-        nuniq = np.zeros(len(self.stores), np.int64)
-        out = aligned_empty((bsz, len(self.stores), dim), np.float32, CACHE_LINE)  # a 64-byte row, one line
+        spans = np.empty((3, ntab), np.int64)  # filled by the kernel (group_kernels.SPAN_*)
+        nuniq = np.zeros(ntab, np.int64)
+        out = self._output(bsz, dim)
         mode = K.MODE_TRAIN if train else K.MODE_FIND
-        with self.locks:
+        with self.lock:
             out_rows = self._scratch("out_rows", (n,), np.int32)  # each key's row, read only by the pooling
             for _ in range(2):  # a second call only after _service
                 status = GK.lookup_pool_tables(
-                    features.values, seg_lo, seg_hi, feat_base, offsets, bsz, self.arrays.table, self.icfg,
-                    self.fcfg, self.seeds, self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys,
-                    nuniq, out)
+                    keys, offsets, positions, bsz, self.arrays.table, self.icfg, self.fcfg, self.seeds,
+                    self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out)
                 if status != GK.NEEDS_SERVICE:
                     break
-                self._service(seg_lo, seg_hi, train)
+                self._service(spans, train)
                 self._refresh_rooms()
             else:
                 raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
                                    "being given them; this is a bug in hybridrec")
         if status > 0:
             self.stores[status - 1]._raise_full()
-        return out, _GroupPass(self, inverse, seg_lo, feat_base, offsets, bsz, uniq_rows, uniq_keys, nuniq)
+        return out, _GroupPass(self, inverse, spans, offsets, bsz, uniq_rows, uniq_keys, nuniq)
 
-    def _service(self, seg_lo, seg_hi, train):
+    def _service(self, spans, train):
         """What the kernel asked for: room in each index for its segment, fresh epoch counts."""
-        for store, lo, hi in zip(self.stores, seg_lo.tolist(), seg_hi.tolist()):
+        for store, lo, hi in zip(self.stores, spans[GK.SPAN_LO].tolist(), spans[GK.SPAN_HI].tolist()):
             if train:
                 store._reserve(hi - lo)
             store._check_epoch()
@@ -146,8 +167,7 @@ class _TableGroup:
 class _GroupPass:
     group: _TableGroup
     inverse: np.ndarray
-    seg_lo: np.ndarray
-    feat_base: np.ndarray
+    spans: np.ndarray
     offsets: np.ndarray
     bsz: int
     uniq_rows: np.ndarray
@@ -157,11 +177,11 @@ class _GroupPass:
     def backward(self, grad: np.ndarray) -> None:
         g = self.group
         dropped = np.zeros(len(g.stores), np.int64)
-        with g.locks:
+        with g.lock:
             ugrad = g._scratch("ugrad", (self.inverse.shape[0], grad.shape[2]), np.float32)
-            ok = GK.backward_tables(grad, self.inverse, self.seg_lo, self.feat_base, self.offsets, self.bsz,
-                                    g.arrays.table, self.uniq_rows, self.uniq_keys, self.nuniq, ugrad, g.icfg, g.fcfg,
-                                    g.opt_codes, g.opt_params, g.pool_modes, dropped)
+            ok = GK.backward_tables(grad, self.inverse, self.spans, self.offsets, self.bsz, g.arrays.table,
+                                    self.uniq_rows, self.uniq_keys, self.nuniq, ugrad, g.icfg, g.fcfg, g.opt_codes,
+                                    g.opt_params, g.pool_modes, dropped)
         if not ok:
             raise ValueError("embedding gradient contains NaN or inf; the update was refused and no row changed")
 
@@ -230,43 +250,57 @@ class EmbeddingCollection(torch.nn.Module):
             raise ValueError(f"tables: {sorted(unused)} are used by no feature in feature_to_table")
         self.feature_names = list(mapping)
         self.feature_to_table = mapping
-        self.stores = {
+        self._stores = {
             name: (EmbeddingStore.open_shared(f"{shm_prefix}-{name}", cfg) if shm_prefix else EmbeddingStore(cfg))
             for name, cfg in configs.items()
         }
+        # read-only: a table changes store only through replace_store, which drops the one-call
+        # groups made over the old stores (so the forward need not check them every call)
+        self.stores = MappingProxyType(self._stores)
         self._lock = threading.RLock()  # shared by the stores: the one-call path takes one lock, not one per table
         for store in self.stores.values():
             store.share_lock(self._lock)
         self.dims = {f: configs[t].dim for f, t in mapping.items()}
+        by_dim: dict[int, list] = {}
+        for name in self.feature_names:
+            by_dim.setdefault(self.dims[name], []).append(name)
+        self._dim_groups = tuple(tuple(names) for names in by_dim.values())  # forward()'s outputs
         self._table_users = {t: list(mapping.values()).count(t) for t in configs}
-        self._groups: dict = {}
+        self._groups: dict = {}  # requested feature names -> their _TableGroup, or None (see _group_for)
         self._layouts: dict = {}  # (batch's feature names, requested names) -> positions, see _positions
+        self._last_layout = None  # (batch's feature names, requested names, positions) of the last call
         # gives autograd a leaf that requires grad, so backward reaches the stores
         self._anchor = torch.nn.Parameter(torch.zeros(0), requires_grad=True)
 
     # ---------------------------------------------------------------- forward
-    def _positions(self, features, names):
+    def _positions(self, features, names: tuple):
         """Validates the batch; returns its batch size and the position of each requested feature
-        among the batch's features (int64 array, in the order of `names`)."""
-        if not isinstance(features.values, np.ndarray) or features.values.dtype != np.uint64:
-            check_keys(features.values, "features.values")
+        among the batch's features (int64 array, in the order of `names`). Written for few Python
+        operations: each costs ~10x its warm time right after the kernels have swept the caches."""
+        values = features.values
+        if type(values) is not np.ndarray or values.dtype != np.uint64 or values.ndim != 1:
+            check_keys(values, "features.values")  # raises, naming what is wrong
         offsets = features.offsets
-        if not isinstance(offsets, np.ndarray) or offsets.dtype != np.int64:
-            raise TypeError(f"features.offsets: must be an int64 numpy array, got "
-                            f"{getattr(offsets, 'dtype', type(offsets).__name__)}")
+        if type(offsets) is not np.ndarray or offsets.dtype != np.int64 or offsets.ndim != 1:
+            raise TypeError(f"features.offsets: must be a 1-D int64 numpy array, got "
+                            f"{getattr(offsets, 'dtype', type(offsets).__name__)}"
+                            f"{'' if getattr(offsets, 'ndim', 1) == 1 else f' of shape {offsets.shape}'}")
         nfeat = len(features.names)
         if nfeat == 0 or (len(offsets) - 1) % nfeat:
             raise ValueError(f"features.offsets: length {len(offsets)} does not fit {nfeat} features")
         bsz = (len(offsets) - 1) // nfeat
-        if offsets[0] != 0 or offsets[-1] != len(features.values):
-            raise ValueError(f"features.offsets: must start at 0 and end at len(values)={len(features.values)}, "
+        problem = K.offsets_problem(offsets, values.shape[0])
+        if problem == K.OFFSETS_ENDS_WRONG:
+            raise ValueError(f"features.offsets: must start at 0 and end at len(values)={len(values)}, "
                              f"got {offsets[0]} .. {offsets[-1]}")
-        bad = K.first_decrease(offsets)
-        if bad >= 0:
-            f = bad // bsz if bsz else 0
-            raise ValueError(f"features.offsets: offsets[{bad + 1}] = {offsets[bad + 1]} < offsets[{bad}] = "
-                             f"{offsets[bad]} (a negative length, in feature {features.names[min(f, nfeat - 1)]!r})")
-        layout = (tuple(features.names), tuple(names))
+        if problem >= 0:
+            f = problem // bsz if bsz else 0
+            raise ValueError(f"features.offsets: offsets[{problem + 1}] = {offsets[problem + 1]} < offsets[{problem}] = "
+                             f"{offsets[problem]} (a negative length, in feature {features.names[min(f, nfeat - 1)]!r})")
+        last = self._last_layout
+        if last is not None and last[1] is names and features.names == last[0]:
+            return bsz, last[2]
+        layout = (tuple(features.names), names)
         positions = self._layouts.get(layout)
         if positions is None:
             position = {name: f for f, name in reversed(list(enumerate(layout[0])))}  # the first of a twice-given name
@@ -277,24 +311,24 @@ class EmbeddingCollection(torch.nn.Module):
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.clear()
             positions = self._layouts[layout] = np.array([position[n] for n in names], dtype=np.int64)
+        self._last_layout = (list(layout[0]), names, positions)
         return bsz, positions
 
-    def _group_for(self, names):
-        """The one-call fast path for these features, if each has a table of its own."""
-        key = tuple(names)
-        known = self._groups.get(key)  # (tables, their stores, the group or None)
-        if known is not None and list(map(self.stores.__getitem__, known[0])) == known[1]:
-            return known[2]  # the same stores as when decided (a checkpoint load replaces them)
-        tables = [self.feature_to_table[n] for n in key]
+    def _group_for(self, names: tuple):
+        """The one-call fast path for these features, if each has a table of its own (else None)."""
+        group = self._groups.get(names, _UNDECIDED)
+        if group is not _UNDECIDED:
+            return group
+        tables = [self.feature_to_table[n] for n in names]
         stores = [self.stores[t] for t in tables]
         eligible = len(set(tables)) == len(tables) and all(self._table_users[t] == 1 and s.nparts == 1
                                                            for t, s in zip(tables, stores))
-        self._groups[key] = (tables, stores, _TableGroup(stores) if eligible else None)
-        return self._groups[key][2]
+        group = self._groups[names] = _TableGroup(stores) if eligible else None
+        return group
 
-    def _run(self, features, groups):
-        """groups: list of feature-name lists, one output Tensor[B, len(g), dim] per group."""
-        names = [n for g in groups for n in g]
+    def _run(self, features, groups: tuple):
+        """groups: tuple of feature-name tuples, one output Tensor[B, len(g), dim] per group."""
+        names = groups[0] if len(groups) == 1 else tuple(n for g in groups for n in g)
         bsz, positions = self._positions(features, names)
         train = self.training and torch.is_grad_enabled()
         group = self._group_for(names) if len(groups) == 1 and bsz > 0 else None
@@ -335,33 +369,31 @@ class EmbeddingCollection(torch.nn.Module):
         return list(result) if isinstance(result, tuple) else [result]
 
     def forward(self, features) -> dict[str, torch.Tensor]:
-        groups: dict[int, list] = {}
-        for n in self.feature_names:
-            groups.setdefault(self.dims[n], []).append(n)
-        group_list = list(groups.values())
-        tensors = self._run(features, group_list)
+        tensors = self._run(features, self._dim_groups)
         out = {}
-        for g, t in zip(group_list, tensors):
+        for g, t in zip(self._dim_groups, tensors):
             for ci, n in enumerate(g):
                 out[n] = t[:, ci, :]
         return {n: out[n] for n in self.feature_names}
 
     def forward_stacked(self, features, names: list[str] | None = None) -> torch.Tensor:
         """Tensor[B, F, dim] of the named features (default: all), which must share one dim."""
-        names = list(self.feature_names if names is None else names)
+        if names is None and len(self._dim_groups) == 1:
+            return self._run(features, self._dim_groups)[0]
+        names = tuple(self.feature_names if names is None else names)
         for n in names:
             if n not in self.dims:
                 raise ValueError(f"names: unknown feature {n!r}{closest_hint(n, self.dims)}")
         dims = {self.dims[n] for n in names}
         if len(dims) != 1:
             raise ValueError(f"forward_stacked: features have different dims {sorted(dims)}; use forward()")
-        return self._run(features, [names])[0]
+        return self._run(features, (names,))[0]
 
     # ---------------------------------------------------------------- persistence helpers
     def replace_store(self, table: str, store: EmbeddingStore) -> None:
         """Serve `table` from `store` from now on (e.g. one loaded from a checkpoint). It must have
         the table's dim; it takes the collection's shared lock, so the one-call path still takes
-        one lock per phase."""
+        one lock per phase. `stores` is read-only: this is the way to change one."""
         if table not in self.stores:
             raise ValueError(f"table: unknown table {table!r}{closest_hint(table, self.stores)}; "
                              f"tables: {sorted(self.stores)}")
@@ -369,7 +401,8 @@ class EmbeddingCollection(torch.nn.Module):
             raise ValueError(f"store: table {table!r} has dim {self.stores[table].dim}, the new store has "
                              f"dim {store.dim}; a replacement must keep the dim")
         store.share_lock(self._lock)
-        self.stores[table] = store
+        self._stores[table] = store
+        self._groups.clear()  # they hold the old store's arrays
 
     def stats(self) -> dict:
         return {name: store.stats() for name, store in self.stores.items()}

@@ -5,9 +5,12 @@ The collection's fast path. With one store per feature, calling the per-table ke
 four Python round trips per table per step; here a batch costs two calls whatever the number
 of tables, and with more than one numba thread the tables are served in parallel (Persia's
 per-thread subsets, here one table per task). Each table's arrays arrive as one row of an address
-table (table_arrays.py); table t serves the key
-segment [seg_lo[t], seg_hi[t]) of the batch (feature-major, so a feature's keys are contiguous) and
-its unique rows occupy uniq_rows[seg_lo[t] : seg_lo[t] + nuniq[t]]. The probe, the pooling and the
+table (table_arrays.py); table t serves the feature at positions[t] of the batch, whose keys
+(feature-major, so contiguous) are the segment [spans[SPAN_LO, t], spans[SPAN_HI, t]) and whose
+samples' offsets start at spans[SPAN_BASE, t]; its unique rows occupy
+uniq_rows[spans[SPAN_LO, t] : spans[SPAN_LO, t] + nuniq[t]]. The forward kernel works the spans out
+from the offsets (a few numpy index operations per step in Python before, ~35 us with the caches
+cold) and the backward kernel reads them back. The probe, the pooling and the
 update are the per-table kernels of kernels.py, so both paths compute the same values.
 """
 import numpy as np
@@ -19,18 +22,27 @@ from .table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scala
 
 GRAD_AHEAD = 16  # samples ahead whose gradient line the backward scatter prefetches
 NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch restart first
+SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys, first sample offset
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_size, tables, icfg, fcfg, seeds,
-                       pool_modes, mode, rooms, out_rows, inverse, uniq_rows, uniq_keys, nuniq, out):
-    """Probe every table's segment, then pool it into out[:, t, :]. Returns 0, or t + 1 for the
+def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg, fcfg, seeds, pool_modes, mode,
+                       rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out):
+    """Fill `spans` [3, tables] from the offsets, probe every table's segment, then pool it
+    into out[:, t, :]. Returns 0, or t + 1 for the
     first table t that ran out of evictable rows, or
     NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
     mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
     the index or restarts the epoch (store._reserve, store._check_epoch) and calls again. These
     checks ran as Python per table and step before; here they cost a few ns."""
-    ntab = seg_lo.shape[0]
+    ntab = positions.shape[0]
+    for t in range(ntab):
+        base = positions[t] * batch_size
+        spans[SPAN_BASE, t] = base
+        spans[SPAN_LO, t] = sample_offsets[base]
+        spans[SPAN_HI, t] = sample_offsets[base + batch_size]
+    seg_lo = spans[SPAN_LO]
+    seg_hi = spans[SPAN_HI]
     for tp in range(ntab):
         t = np.int64(tp)
         if scalars_of(tables, t)[K.SC_EPOCH] >= K.EPOCH_LIMIT:
@@ -59,7 +71,7 @@ def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_si
         nuniq[t] = n
         for u in range(lo, lo + n):
             uniq_keys[u] = meta64[uniq_rows[u], 0]
-        base = feat_base[t]
+        base = spans[SPAN_BASE, t]
         K.gather_pool(rows, out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
     for t in range(ntab):
         if failed[t]:
@@ -68,11 +80,12 @@ def lookup_pool_tables(keys, seg_lo, seg_hi, feat_base, sample_offsets, batch_si
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size, tables, uniq_rows, uniq_keys,
-                    nuniq, ugrad, icfg, fcfg, opt_codes, opt_params, pool_modes, dropped):
+def backward_tables(grad, inverse, spans, sample_offsets, batch_size, tables, uniq_rows, uniq_keys, nuniq, ugrad,
+                    icfg, fcfg, opt_codes, opt_params, pool_modes, dropped):
     """Sum every table's pooled gradient onto its unique rows, then apply each table's optimizer.
     Refuses the whole batch (returns False, no row changed) if a gradient is NaN or inf."""
-    ntab = seg_lo.shape[0]
+    ntab = spans.shape[1]
+    seg_lo = spans[SPAN_LO]
     # table-major, so each table's unique rows (tens of KB) stay in L1/L2 while its gradient is
     # summed; the [B, T, dim] gradient is then read with a stride of T*dim floats, which hardware
     # prefetch does not follow, so its lines are prefetched GRAD_AHEAD samples ahead. Sample-major
@@ -84,7 +97,7 @@ def backward_tables(grad, inverse, seg_lo, feat_base, sample_offsets, batch_size
     covered = np.empty(ntab, np.int64)
     for tp in prange(ntab):
         t = np.int64(tp)
-        base = feat_base[t]
+        base = spans[SPAN_BASE, t]
         scale_mode = pool_modes[t]
         first_unseen = seg_lo[t]
         for b in range(batch_size):

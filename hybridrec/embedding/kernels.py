@@ -95,12 +95,19 @@ def order_by_partition(part_of, nparts, order, starts):
         counts[p] += 1
 
 
+OFFSETS_ENDS_WRONG = -2  # offsets_problem: offsets[0] != 0 or offsets[-1] != the number of values
+
+
 @njit(cache=True, nogil=True)
-def first_decrease(offsets):
-    """Index i of the first offsets[i+1] < offsets[i], or -1 when offsets never decrease. A
-    branch-free pass decides whether there is one (LLVM vectorises it; stopping at the first
-    decrease kept the loop scalar, 1 ns per offset), and only then a second pass finds it."""
+def offsets_problem(offsets, n_values):
+    """What is wrong with a batch's jagged offsets, in one call: -1 when they start at 0, end at
+    n_values and never decrease; OFFSETS_ENDS_WRONG when an end is off; else the index i of the
+    first offsets[i+1] < offsets[i]. A branch-free pass decides whether there is a decrease (LLVM
+    vectorises it; stopping at the first decrease kept the loop scalar, 1 ns per offset), and
+    only then a second pass finds it. `offsets` must not be empty."""
     n = offsets.shape[0] - 1
+    if offsets[0] != 0 or offsets[n] != n_values:
+        return OFFSETS_ENDS_WRONG
     decreases = False
     for i in range(n):
         decreases |= offsets[i + 1] < offsets[i]
