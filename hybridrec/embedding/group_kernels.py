@@ -20,7 +20,7 @@ from . import kernels as K
 from .cache_hints import prefetch_cell
 from .table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
 
-GRAD_AHEAD = 16  # samples ahead whose gradient line the backward scatter prefetches
+GRAD_AHEAD = 32  # samples ahead whose gradient line the backward scatter prefetches (16: ~1.5% slower step)
 NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch restart first
 SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys, first sample offset
 
