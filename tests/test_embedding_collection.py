@@ -104,15 +104,34 @@ def test_bad_batches_are_refused_with_the_argument_named():
         coll(JaggedFeatures(["f"], good.values, np.array([0, 2, 1, 2], np.int64)))
     with pytest.raises(ValueError, match="features.values: must be 1-D"):
         coll(JaggedFeatures(["f"], good.values.reshape(2, 1), good.offsets))
-    with pytest.raises(TypeError, match="features.offsets: must be a 1-D int64 numpy array, got int64 of shape"):
+    with pytest.raises(ValueError, match=r"features.offsets must be 1-dimensional, got shape \(3, 1\)"):
         coll(JaggedFeatures(["f"], good.values, good.offsets.reshape(-1, 1)))
-    with pytest.raises(TypeError, match="features.offsets: must be a 1-D int64 numpy array, got int32"):
+    with pytest.raises(TypeError, match="features.offsets must have dtype int64, got int32"):
         coll(JaggedFeatures(["f"], good.values, good.offsets.astype(np.int32)))
+    with pytest.raises(TypeError, match="features.offsets must be a numpy.ndarray of int64, got list"):
+        coll(JaggedFeatures(["f"], good.values, [0, 1, 2]))
     with pytest.raises(ValueError, match="no feature 'f'"):
         coll(JaggedFeatures(["g"], good.values, good.offsets))
     with pytest.raises(ValueError, match="unknown table 'nope'"):
         EmbeddingCollection({"f": TableConfig(dim=2, capacity=10)}, {"f": "nope"})
     assert len(coll.stores["f"]) == 0
+
+
+def test_memory_mapped_batches_are_taken_like_arrays(tmp_path):
+    """IDs and offsets read with np.memmap (an ndarray subclass) give what plain arrays give."""
+    coll = EmbeddingCollection({name: TableConfig(dim=4, capacity=20) for name in ("a", "b")})
+    coll.eval()
+    batch = _features(["a", "b"], [[[1], [2, 3]], [[4], []]])
+    for name in ("a", "b"):
+        coll.stores[name].pull(np.array([1, 2, 3, 4], np.uint64))
+    mapped = {}
+    for field in ("values", "offsets"):
+        arr = getattr(batch, field)
+        mapped[field] = np.memmap(tmp_path / field, dtype=arr.dtype, mode="w+", shape=arr.shape)
+        mapped[field][:] = arr
+    expected = coll.forward_stacked(batch).numpy()
+    got = coll.forward_stacked(JaggedFeatures(batch.names, mapped["values"], mapped["offsets"])).numpy()
+    np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("admit_probability", [1.0, 0.5])  # 0.5: refused keys (no unique row) among the others

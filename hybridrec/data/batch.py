@@ -17,7 +17,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 
-def _check_array(name: str, array: object, dtype: type, ndim: int) -> None:
+def check_array(name: str, array: object, dtype: type, ndim: int) -> None:
+    """Raises TypeError/ValueError naming `name` unless `array` is a numpy array (a subclass such as
+    np.memmap included) of `dtype` with `ndim` dimensions."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of {np.dtype(dtype).name}, "
                         f"got {type(array).__name__}")
@@ -52,8 +54,8 @@ class JaggedFeatures:
             raise TypeError(f"names must be a list of str, got {self.names!r}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"names must be unique, got {self.names!r}")
-        _check_array("values", self.values, np.uint64, 1)
-        _check_array("offsets", self.offsets, np.int64, 1)
+        check_array("values", self.values, np.uint64, 1)
+        check_array("offsets", self.offsets, np.int64, 1)
         n_features = len(self.names)
         if len(self.offsets) == 0 or self.offsets[0] != 0:
             raise ValueError(f"offsets must start with 0, got {self.offsets[:1]!r}")
@@ -158,10 +160,10 @@ class Batch:
 
     def validate(self) -> "Batch":
         """Raises TypeError/ValueError naming the broken invariant; returns self."""
-        _check_array("sample_ids", self.sample_ids, np.uint64, 1)
+        check_array("sample_ids", self.sample_ids, np.uint64, 1)
         b = len(self.sample_ids)
-        _check_array("dense", self.dense, np.float32, 2)
-        _check_array("labels", self.labels, np.float32, 2)
+        check_array("dense", self.dense, np.float32, 2)
+        check_array("labels", self.labels, np.float32, 2)
         if self.dense.shape[0] != b:
             raise ValueError(f"dense has {self.dense.shape[0]} rows, expected B = {b} "
                              f"(len(sample_ids))")
