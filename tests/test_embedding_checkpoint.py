@@ -127,3 +127,16 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
     store.save(tmp_path / "c")
     assert len(EmbeddingStore.load(tmp_path / "c")) == 30
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_snapshot_restores_without_files_and_only_into_an_empty_store():
+    store = EmbeddingStore(dim=DIM, capacity=300, optimizer="adam", num_threads=2)
+    _train(store, steps=10)
+    copy = EmbeddingStore(store.config)
+    copy.restore(store.snapshot())
+    _assert_same_content(store, copy)
+    assert copy.step == store.step
+    with pytest.raises(ValueError, match="already holds"):
+        copy.restore(store.snapshot())
+    with pytest.raises(ValueError, match=r"insert_rows: need rows \[n, 12\]"):
+        EmbeddingStore(store.config).insert_rows(np.zeros((3, DIM), np.float32), np.zeros((3, 8), np.int32))

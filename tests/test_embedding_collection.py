@@ -241,13 +241,13 @@ def test_a_batch_past_the_index_room_grows_every_table_inside_the_call():
     """The one-call path checks each table's index room in the kernel and grows the index before
     anything is written; every key of the batch is then found."""
     coll = EmbeddingCollection({name: TableConfig(dim=2, capacity=200_000) for name in ("a", "b")})
-    rooms_before = [store._room for store in coll.stores.values()]
+    rooms_before = [store.index_room for store in coll.stores.values()]
     spread = np.uint64(0x9E3779B97F4A7C15)  # odd: distinct keys stay distinct, spread over 64 bits
     keys = [(np.arange(30_000, dtype=np.uint64) + np.uint64(t)) * spread for t in (1, 7)]
     assert all(30_000 > room for room in rooms_before)
     batch = _features(["a", "b"], [[[int(k)] for k in table_keys] for table_keys in keys])
     trained = coll.forward_stacked(batch).detach().numpy().copy()
-    assert all(store._room >= 30_000 for store in coll.stores.values())
+    assert all(store.index_room >= 30_000 for store in coll.stores.values())
     assert [len(store) for store in coll.stores.values()] == [30_000, 30_000]
     coll.eval()
     np.testing.assert_array_equal(coll.forward_stacked(batch).numpy(), trained)

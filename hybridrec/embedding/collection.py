@@ -51,7 +51,7 @@ class _StoreLocks:
     one (`share_lock`)."""
 
     def __init__(self, stores):
-        self._locks = list({id(store._lock): store._lock for store in stores}.values())
+        self._locks = list({id(store.lock): store.lock for store in stores}.values())
 
     def __enter__(self):
         taken = 0
@@ -73,7 +73,7 @@ class _StoreLocks:
 def _lock_of(stores):
     """What a group kernel holds while it mutates `stores`: their one lock when they share one
     (the stores of a collection do), used directly as a context manager, else a `_StoreLocks`."""
-    locks = {id(store._lock): store._lock for store in stores}
+    locks = {id(store.lock): store.lock for store in stores}
     return next(iter(locks.values())) if len(locks) == 1 else _StoreLocks(stores)
 
 
@@ -106,7 +106,7 @@ class _TableGroup:
         """Sets `rooms` to the keys each store's index may hold before it must grow. A store may
         grow outside this group too (a direct `pull`); a room read before that is only smaller
         than the store's, so the kernel asks for `_service` once more and this catches up."""
-        self.rooms[:] = [s._room for s in self.stores]
+        self.rooms[:] = [s.index_room for s in self.stores]
 
     def _scratch(self, name: str, shape: tuple, dtype) -> np.ndarray:
         """A reusable uninitialised array; callers hold the stores' locks while they use it."""
@@ -154,15 +154,15 @@ class _TableGroup:
                 raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
                                    "being given them; this is a bug in hybridrec")
         if status > 0:
-            self.stores[status - 1]._raise_full()
+            raise self.stores[status - 1].batch_too_large_error()
         return out, _GroupPass(self, inverse, spans, offsets, bsz, uniq_rows, uniq_keys, nuniq)
 
     def _service(self, spans, train):
         """What the kernel asked for: room in each index for its segment, fresh epoch counts."""
         for store, lo, hi in zip(self.stores, spans[GK.SPAN_LO].tolist(), spans[GK.SPAN_HI].tolist()):
             if train:
-                store._reserve(hi - lo)
-            store._check_epoch()
+                store.make_index_room(hi - lo)
+            store.restart_epoch_count_if_due()
 
 
 @dataclasses.dataclass

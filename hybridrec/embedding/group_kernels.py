@@ -33,7 +33,7 @@ def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg
     first table t that ran out of evictable rows, or
     NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
     mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
-    the index or restarts the epoch (store._reserve, store._check_epoch) and calls again. These
+    the index or restarts the epoch (store.make_index_room, store.restart_epoch_count_if_due) and calls again. These
     checks ran as Python per table and step before; here they cost a few ns."""
     ntab = positions.shape[0]
     for t in range(ntab):

@@ -13,7 +13,9 @@ import threading
 
 import numpy as np
 
+from . import checkpoint_format
 from . import kernels as K
+from .checkpoint_format import Snapshot
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
 
@@ -88,10 +90,17 @@ class EmbeddingStore:
         rows = store.pull(keys)            # float32 [n, 16]; inserts new keys
         store.push(keys, grads)            # sums equal keys, applies Adagrad
 
-    Rows live in one array `[embedding | optimizer state | metadata]`; when all `capacity` rows
-    are used, the least recently (LRU) or least frequently (LFU) used row is evicted. A key's
-    first value depends only on (seed, key). With `shm_name` the arrays are named shared memory
-    that survives the process (`EmbeddingStore.attach(name)` maps them again).
+    A row is `[embedding | optimizer state]` in the float32 array `rows`; its metadata record
+    (key, LRU links, access count, clock, last training use) is the same row of the int32 array
+    `meta` beside it, and the hash index maps keys to row numbers (see kernels.py). When all
+    `capacity` rows are used, the least recently (LRU) or least frequently (LFU) used row is
+    evicted. A key's first value depends only on (seed, key). With `shm_name` the arrays are named
+    shared memory that survives the process (`EmbeddingStore.attach(name)` maps them again).
+
+    Code that drives the kernels over many stores at once (`EmbeddingCollection`) holds `lock`,
+    calls `make_index_room` and `restart_epoch_count_if_due` before a kernel inserts keys, and
+    raises `batch_too_large_error()` when the kernel reports a full partition. Checkpoints go
+    through `snapshot` / `restore` (checkpoint_format.py writes and reads the files).
     """
 
     def __init__(self, config: TableConfig | None = None, *, shm_name: str | None = None, **fields):
@@ -126,9 +135,8 @@ class EmbeddingStore:
         self.parts = a.array("parts", (nparts, K.PARTS_WIDTH), np.int64, create=create)
         self.scalars = a.array("scalars", (SCALARS_WIDTH,), np.int64, create=create)
         # The index array is made once, for the full layout; a generation uses its first slots
-        # (`_reserve`). Growing thus re-lays those slots in place instead of allocating a new array:
-        # on fresh pages the allocation's faults cost as much as the re-insertion, and with two
-        # doublings per table in the bench's first 60 batches the two were 5-10% of that span.
+        # (`make_index_room`). Growing thus re-lays those slots in place instead of allocating a new
+        # array, whose fresh pages would fault in during a training step.
         full_slots = int(full_slot_counts(row_counts).sum())
         if not create and a.size_of("index", np.int32) != full_slots:
             self.index = None  # made by an earlier hybridrec, whose index file grew with the keys: see attach
@@ -195,6 +203,12 @@ class EmbeddingStore:
 
     unlink_shared = staticmethod(unlink_shared)
 
+    @property
+    def lock(self):
+        """The `threading.RLock` that serialises this store's calls. Hold it while a kernel reads or
+        changes the store's arrays outside the store's own methods."""
+        return self._lock
+
     def share_lock(self, lock) -> None:
         """Serialise this store's calls on `lock`, a `threading.RLock` that other stores hold too,
         so that code mutating all of them at once takes one lock, not one per store (the tables of
@@ -202,6 +216,12 @@ class EmbeddingStore:
         self._lock = lock
 
     # ---------------------------------------------------------------- index growth
+    @property
+    def index_room(self) -> int:
+        """Keys the fullest partition may hold before the index must grow: a kernel that inserts n
+        new keys into a partition of size s needs `make_index_room(n)` first when s + n exceeds it."""
+        return self._room
+
     def _set_slot_layout(self, slots: np.ndarray) -> None:
         self.parts[:, K.PT_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
         self.parts[:, K.PT_SLOT_COUNT] = slots
@@ -218,19 +238,22 @@ class EmbeddingStore:
             generation += 1
         return generation
 
-    def _reserve(self, n_new: int, rebuild: bool = False) -> None:
-        """Grow the index so that n_new more keys keep every partition under LOAD_FACTOR
-        (with `rebuild`, re-insert every live key even when the index keeps its size)."""
+    def make_index_room(self, n_new: int) -> None:
+        """Grow the hash index, if it must, so that n_new more keys keep every partition under
+        LOAD_FACTOR. Call it with the lock held."""
         # the common case, once per table per step: max() of a few Python ints, not a numpy reduction
-        if not rebuild and max(self.parts[:, K.PT_SIZE].tolist()) + n_new <= self._room:
+        if max(self.parts[:, K.PT_SIZE].tolist()) + n_new <= self._room:
             return
         gen = int(self.scalars[S_INDEX_GEN])
         new_gen = self._fitting_generation(gen, n_new)
-        if new_gen == gen and not rebuild:
-            return
+        if new_gen != gen:
+            self._relay_index(new_gen)
+
+    def _relay_index(self, generation: int) -> None:
+        """Lay the index out for `generation` and re-insert every live key into it."""
         self.scalars[S_DIRTY] = 1  # until the keys are all re-inserted (a crash in between: attach repairs)
-        self._set_slot_layout(slot_counts(self.row_counts, new_gen))
-        self.scalars[S_INDEX_GEN] = new_gen
+        self._set_slot_layout(slot_counts(self.row_counts, generation))
+        self.scalars[S_INDEX_GEN] = generation
         K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         self.scalars[S_DIRTY] = 0
 
@@ -247,8 +270,11 @@ class EmbeddingStore:
         self.scalars[S_DIRTY] = 0
 
     # ---------------------------------------------------------------- core operations
-    def _check_epoch(self) -> None:
-        if self.scalars[S_EPOCH] >= K.EPOCH_LIMIT:  # stamps are int32: restart the epoch count
+    def restart_epoch_count_if_due(self) -> None:
+        """Restart the count of lookup calls before it outgrows the int32 stamps that record each
+        row's last use (the LRU order they encode is kept). Call it, with the lock held, before a
+        kernel counts another lookup call."""
+        if self.scalars[S_EPOCH] >= K.EPOCH_LIMIT:
             if self.config.eviction == "lru":  # recency lives in the stamps until a list is kept
                 for p in range(self.nparts):
                     if not self.parts[p, K.PT_LRU_KEPT]:
@@ -256,8 +282,10 @@ class EmbeddingStore:
             self.meta[:, K.M_STAMP] = 0
             self.scalars[S_EPOCH] = 1
 
-    def _raise_full(self):
-        raise ValueError(
+    def batch_too_large_error(self) -> ValueError:
+        """The error for a batch with more distinct keys than a partition has rows to give it (a
+        kernel reports ERR_FULL: every row is in use by the batch, so none can be evicted)."""
+        return ValueError(
             f"keys: the batch has more distinct keys than the store can hold at once "
             f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise capacity or "
             f"split the batch"
@@ -266,11 +294,11 @@ class EmbeddingStore:
     def _probe(self, keys: np.ndarray, mode: int) -> Lookup:
         n = keys.shape[0]
         if mode != K.MODE_FIND:
-            self._reserve(n)
+            self.make_index_room(n)
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
         uniq = np.empty(n, np.int32)
-        self._check_epoch()
+        self.restart_epoch_count_if_due()
         self.scalars[S_EPOCH] += 1
         epoch = int(self.scalars[S_EPOCH])
         if self.nparts == 1:  # the kernel hashes the keys as it dedupes them
@@ -296,7 +324,7 @@ class EmbeddingStore:
             err = int(errors.max())
             nuniq = K.compact_unique(starts, counts, part_of, uniq, inverse)
         if err == K.ERR_FULL:
-            self._raise_full()
+            raise self.batch_too_large_error()
         uniq = uniq[:nuniq]
         return Lookup(out_rows, inverse, uniq, self.r64[uniq, 0].copy())
 
@@ -363,17 +391,83 @@ class EmbeddingStore:
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory, extra: dict | None = None):
-        """Write a consistent checkpoint (see checkpoint.py); returns its path."""
-        from .checkpoint import save
-
-        return save(self, directory, extra)
+        """Write a consistent checkpoint (checkpoint_format.py) to `directory`, replacing any
+        there atomically; returns its path. `extra` is stored in the manifest as it is."""
+        return checkpoint_format.write(directory, self.snapshot(extra))
 
     @classmethod
     def load(cls, directory, shm_name: str | None = None, **overrides) -> "EmbeddingStore":
-        """A new store from a checkpoint; the checksums are verified first."""
-        from .checkpoint import load
+        """A new store holding a checkpoint; every checksum is verified first. `overrides` may
+        change table fields (capacity, num_threads, ...); dim and optimizer must match."""
+        manifest = checkpoint_format.read_manifest(directory)
+        config = TableConfig.from_dict({**manifest["table"], **overrides})
+        checkpoint_format.check_compatible(manifest, config, directory)
+        snapshot = checkpoint_format.read(directory, manifest)
+        store = cls(config, shm_name=shm_name)
+        store.restore(snapshot, source=f"checkpoint: {directory}")
+        return store
 
-        return load(directory, shm_name=shm_name, **overrides)
+    def snapshot(self, extra: dict | None = None) -> Snapshot:
+        """Copies of the live rows, their metadata, the partition bookkeeping, the admission sketch
+        and the counters, all taken under the lock: weights and optimizer state of one instant."""
+        with self._lock:
+            live = self.live_rows()
+            return Snapshot(config=self.config, nparts=self.nparts, rows=self.rows[live], meta=self.meta[live],
+                            parts=self.parts.copy(), sketch=self.sketch.copy(), step=int(self.scalars[S_STEP]),
+                            epoch=int(self.scalars[S_EPOCH]), dropped_updates=int(self.scalars[S_DROPPED]),
+                            extra=dict(extra or {}))
+
+    def restore(self, snapshot: Snapshot, source: str = "snapshot") -> None:
+        """Fill this store, which must be empty, with `snapshot` and its counters. With the
+        snapshot's partition layout the rows are copied into place and the index is rebuilt;
+        otherwise (another capacity or thread count, or a snapshot without partitions, such as
+        rows gathered from several shards) they are re-inserted with `insert_rows`. `source` names
+        the snapshot in errors."""
+        parts = snapshot.parts
+        with self._lock:
+            if len(self):
+                raise ValueError(f"restore: the store already holds {len(self)} keys; restore into a new store")
+            same_layout = (parts.shape == self.parts.shape and np.array_equal(parts[:, :2], self.parts[:, :2])
+                           and snapshot.sketch.shape == self.sketch.shape)
+            if same_layout:
+                slots = self.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1].copy()
+                self.parts[:] = parts
+                self.parts[:, K.PT_SLOT_START:K.PT_SLOT_COUNT + 1] = slots  # the index is laid out to fit below
+                live = self.live_rows()
+                self.rows[live] = snapshot.rows
+                self.meta[live] = snapshot.meta
+                self.sketch[:] = snapshot.sketch
+                self._relay_index(self._fitting_generation(int(self.scalars[S_INDEX_GEN]), 0))
+                if len(np.unique(self.keys())) != len(self):
+                    raise ValueError(f"{source} is corrupt (a key appears in two rows)")
+            else:
+                self.insert_rows(snapshot.rows, snapshot.meta)
+            self.scalars[S_STEP] = snapshot.step
+            self.scalars[S_EPOCH] = max(int(self.scalars[S_EPOCH]), snapshot.epoch)
+            self.scalars[S_DROPPED] = snapshot.dropped_updates
+
+    def insert_rows(self, rows: np.ndarray, meta: np.ndarray) -> None:
+        """Insert saved rows: `rows` [n, row_width] (embedding and optimizer state) with their
+        metadata records `meta` [n, META_WIDTH], bypassing admission. They go in least recently
+        used first, so that if they do not all fit, the most recently used ones are kept; each
+        keeps its access count and clock."""
+        width = self.config.row_width
+        if rows.ndim != 2 or rows.shape[1] != width or meta.shape != (rows.shape[0], K.META_WIDTH):
+            raise ValueError(f"insert_rows: need rows [n, {width}] and meta [n, {K.META_WIDTH}], "
+                             f"got {rows.shape} and {meta.shape}")
+        if len(rows) == 0:
+            return
+        order = np.lexsort((meta[:, K.M_SLOT], meta[:, K.M_STAMP]))  # last training use, oldest first
+        rows, meta = rows[order], meta[order]
+        keys = np.ascontiguousarray(meta.view(np.uint64)[:, 0])
+        chunk = max(1, self.config.capacity // max(self.nparts, 1) // 2)
+        with self._lock:
+            for start in range(0, len(keys), chunk):
+                part = slice(start, start + chunk)
+                found = self._probe(keys[part], K.MODE_FORCE)
+                self.rows[found.rows] = rows[part]
+                self.meta[found.rows, K.M_COUNT] = meta[part, K.M_COUNT]
+                self.meta[found.rows, K.M_CLOCK] = meta[part, K.M_CLOCK]
 
     # ---------------------------------------------------------------- introspection
     def __len__(self) -> int:

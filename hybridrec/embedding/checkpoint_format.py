@@ -1,0 +1,148 @@
+"""The on-disk format of an embedding store checkpoint, apart from the store that fills it.
+
+A checkpoint is a directory: `manifest.json` (format, table config, layout, counters, and for
+each array file its dtype, shape, byte size and CRC32) and one raw `.bin` file per array of a
+`Snapshot`: `rows` (each live row's embedding and optimizer state), `meta` (their metadata
+records: key, LRU links, count, clock, last use), `parts` (the partitions' bookkeeping) and
+`sketch` (the admission counters). It is written to a temporary directory and renamed into
+place, so an interrupted save never damages the previous checkpoint. Reading verifies every
+checksum and refuses a corrupt, truncated or mismatched checkpoint with an error naming the file.
+
+This module knows files and arrays only: `EmbeddingStore.snapshot()` makes what `write` writes,
+and `EmbeddingStore.restore()` takes what `read` returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .table import TableConfig
+
+FORMAT = "hybridrec-embedding-store"
+VERSION = 2  # 2: metadata saved apart from rows
+MANIFEST = "manifest.json"
+ARRAYS = ("rows", "meta", "parts", "sketch")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A store's content at one instant: its live rows and what is needed to serve them again."""
+
+    config: TableConfig
+    nparts: int
+    rows: np.ndarray  # float32 [size, row_width]: embedding | optimizer state of each live row
+    meta: np.ndarray  # int32 [size, META_WIDTH]: the metadata record of each of those rows
+    parts: np.ndarray  # int64 [nparts, PARTS_WIDTH]: partition bookkeeping (row ranges, sizes, counters)
+    sketch: np.ndarray  # uint16 [2, width]: the admission frequency sketch
+    step: int  # optimizer steps taken
+    epoch: int  # lookup calls counted (the stamps in `meta` are these)
+    dropped_updates: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ARRAYS}
+
+
+def _crc(arr: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+
+
+def write(directory, snapshot: Snapshot) -> Path:
+    """Write `snapshot` to `directory`, replacing what was there atomically; returns the path."""
+    directory = Path(directory)
+    config = snapshot.config
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "table": config.to_dict(),
+        "layout": {"capacity": config.capacity, "nparts": snapshot.nparts, "row_width": config.row_width},
+        "step": int(snapshot.step),
+        "epoch": int(snapshot.epoch),
+        "dropped_updates": int(snapshot.dropped_updates),
+        "size": int(len(snapshot.rows)),
+        "extra": snapshot.extra or {},
+        "files": {},
+    }
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, arr in snapshot.arrays().items():
+        arr = np.ascontiguousarray(arr)
+        arr.tofile(tmp / f"{name}.bin")
+        manifest["files"][name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "bytes": int(arr.nbytes),
+                                   "crc32": _crc(arr)}
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def read_manifest(directory) -> dict:
+    """The manifest of the checkpoint in `directory`, its format and version checked."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint: {path} does not exist (not a hybridrec store checkpoint)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"checkpoint: {path} is not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise ValueError(f"checkpoint: {path} has version {manifest.get('version')!r}; this hybridrec reads {VERSION}")
+    return manifest
+
+
+def saved_config(manifest: dict) -> TableConfig:
+    """The table config a checkpoint was written with."""
+    return TableConfig.from_dict(manifest["table"])
+
+
+def check_compatible(manifest: dict, config: TableConfig, directory) -> None:
+    """Refuse to load a checkpoint into a table of another dim or optimizer."""
+    saved = saved_config(manifest)
+    for field in ("dim", "optimizer"):
+        if getattr(saved, field) != getattr(config, field):
+            raise ValueError(f"checkpoint: {directory} has {field}={getattr(saved, field)!r} but the store expects "
+                             f"{getattr(config, field)!r}")
+
+
+def _read_array(directory: Path, manifest: dict, name: str) -> np.ndarray:
+    desc = manifest["files"][name]
+    path = directory / f"{name}.bin"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint: {path} is missing")
+    size = path.stat().st_size
+    if size != desc["bytes"]:
+        raise ValueError(f"checkpoint: {path} has {size} bytes, the manifest says {desc['bytes']} (truncated?)")
+    arr = np.fromfile(path, dtype=np.dtype(desc["dtype"])).reshape(desc["shape"])
+    crc = _crc(arr)
+    if crc != desc["crc32"]:
+        raise ValueError(f"checkpoint: {path} is corrupt: CRC32 {crc:#010x}, the manifest says {desc['crc32']:#010x}")
+    return arr
+
+
+def read(directory, manifest: dict | None = None) -> Snapshot:
+    """The snapshot saved in `directory`, every array's size and checksum verified
+    (`manifest`: the one `read_manifest` returned already, to read it only once)."""
+    directory = Path(directory)
+    if manifest is None:
+        manifest = read_manifest(directory)
+    arrays = {name: _read_array(directory, manifest, name) for name in ARRAYS}
+    return Snapshot(config=saved_config(manifest), nparts=int(manifest["layout"]["nparts"]),
+                    step=int(manifest["step"]), epoch=int(manifest["epoch"]),
+                    dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
+                    **arrays)
