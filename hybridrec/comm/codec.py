@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from hybridrec.data.batch import JaggedFeatures
-from hybridrec.embedding.hashing import mix64
+from hybridrec.embedding.dedupe import dedupe
 
 MAX_SUB_BATCH = 65535  # sample positions must fit in uint16
 FP16_SCALE_TARGET = 16384.0  # K: a block's largest magnitude maps here, well inside fp16's 65504
@@ -113,19 +113,21 @@ class RawIdCodec:
 
 
 @njit(cache=True, nogil=True)
-def _unique_encode(values, offsets, batch_size, num_features, sub, slots,
+def _unique_encode(values, offsets, batch_size, num_features, sub,
                    keys, key_counts, group_sizes, positions, ranks):
     """Fill the wire arrays of `UniqueIdCodec`; returns (number of unique keys, ranks needed).
 
     Per group (sub-batch c, feature f), whose IDs are the contiguous
-    values[offsets[f*B + c*sub] : offsets[f*B + end of sub-batch]]: dedup with an open-addressing
-    table (`slots`: int64 -1, power-of-two length > the longest group), count, then place each
-    occurrence's sample position (and in-bag rank) in its key's run with a counting sort.
+    values[offsets[f*B + c*sub] : offsets[f*B + end of sub-batch]]: deduplicate in first-seen
+    order with counts (`dedupe`), then place each occurrence's sample position (and in-bag rank)
+    in its key's run with a counting sort.
     """
-    mask = np.int64(slots.shape[0] - 1)
     local = np.empty(values.shape[0], np.int64)  # index of each occurrence's key in its group
-    slot_of = np.empty(values.shape[0], np.int64)
+    hashes = np.empty(values.shape[0], np.uint64)  # dedupe's per-key hashes, not needed here
+    counts = np.empty(values.shape[0], np.int64)  # occurrences of each of a group's keys
     cursor = np.empty(values.shape[0], np.int64)
+    no_hashes = np.empty(0, np.uint64)
+    no_order = np.empty(0, np.int64)
     unique_base = 0
     occurrence_base = 0  # groups are laid out sub-batch-major, unlike the feature-major values
     needs_ranks = False
@@ -136,31 +138,14 @@ def _unique_encode(values, offsets, batch_size, num_features, sub, slots,
             bag0 = f * batch_size
             lo = offsets[bag0 + first_sample]
             hi = offsets[bag0 + end_sample]
-            num_unique = 0
-            for i in range(lo, hi):
-                key = values[i]
-                slot = np.int64(mix64(key) & np.uint64(mask))
-                while True:
-                    u = slots[slot]
-                    if u < 0:
-                        slots[slot] = num_unique
-                        slot_of[num_unique] = slot
-                        keys[unique_base + num_unique] = key
-                        key_counts[unique_base + num_unique] = 0
-                        local[i] = num_unique
-                        num_unique += 1
-                        break
-                    if keys[unique_base + u] == key:
-                        local[i] = u
-                        break
-                    slot = (slot + 1) & mask
-                key_counts[unique_base + local[i]] += 1
+            num_unique = dedupe(values, no_hashes, no_order, lo, hi, keys[unique_base:], hashes, counts,
+                                local[lo:hi])
             group_sizes[c * num_features + f] = num_unique
             run = occurrence_base  # the group's k-th key's occurrences start at cursor[k]
             for k in range(num_unique):
-                slots[slot_of[k]] = -1  # leave the table empty for the next group
+                key_counts[unique_base + k] = counts[k]
                 cursor[k] = run
-                run += key_counts[unique_base + k]
+                run += counts[k]
             for b in range(first_sample, end_sample):
                 start = offsets[bag0 + b]
                 for i in range(start, offsets[bag0 + b + 1]):
@@ -264,14 +249,8 @@ class UniqueIdCodec:
         group_sizes = np.empty(-(-batch_size // sub) * num_features, np.int64)
         positions = np.empty(num_ids, np.uint16)
         ranks = np.empty(num_ids, np.uint32)
-        group_starts = np.arange(0, batch_size, sub)
-        bag_starts = (np.arange(num_features)[:, None] * batch_size + group_starts).ravel()
-        bag_ends = bag_starts + np.minimum(sub, batch_size - np.tile(group_starts, num_features))
-        longest = int((offsets[bag_ends] - offsets[bag_starts]).max(initial=0))
-        slots = np.full(1 << max(4, (2 * longest).bit_length()), -1, np.int64)  # one group's keys
         num_unique, needs_ranks = _unique_encode(values, offsets, batch_size, num_features, sub,
-                                                 slots, keys, key_counts, group_sizes, positions,
-                                                 ranks)
+                                                 keys, key_counts, group_sizes, positions, ranks)
         arrays = {"keys": keys[:num_unique], "key_counts": key_counts[:num_unique],
                   "group_sizes": group_sizes, "positions": positions}
         if needs_ranks:

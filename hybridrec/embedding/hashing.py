@@ -26,6 +26,13 @@ _INV53 = 1.0 / 9007199254740992.0
 
 
 @njit(inline="always")
+def index_hash(key):
+    """The hash that places a key in a store's index (slot, tag and partition) and in the
+    first-seen dedupe's table (dedupe.py), which hands it on to the index probe."""
+    return mix64(key ^ INDEX_SALT)
+
+
+@njit(inline="always")
 def scale32(h, n):
     """Map the low 32 bits of `h` onto [0, n) without a division (n < 2**32)."""
     return np.int64(((h & _LO32) * np.uint64(n)) >> _S32)

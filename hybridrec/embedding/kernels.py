@@ -24,7 +24,8 @@ the kept list would have, and from then on every use relinks as before.
 import numpy as np
 from numba import njit, prange
 
-from .hashing import INDEX_SALT, INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, mix64, scale32, scale_hi32, uniform01
+from .dedupe import dedupe
+from .hashing import INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, index_hash, mix64, scale32, scale_hi32, uniform01
 from .cache_hints import (CACHE_LINE, LINE_FLOATS, prefetch_cell, prefetch_cell_for_write, prefetch_row, store_fence,
                           stream_line)
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
@@ -64,16 +65,11 @@ PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
 FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
 
 
-@njit(inline="always")
-def _index_hash(key):
-    return mix64(key ^ INDEX_SALT)
-
-
 @njit(cache=True, nogil=True)
 def compute_partitions(keys, nparts, hashes, part_of):
     """Hash every key once; record its partition when nparts > 1 (part_of may be empty otherwise)."""
     for i in range(keys.shape[0]):
-        h = _index_hash(keys[i])
+        h = index_hash(keys[i])
         hashes[i] = h
         if nparts > 1:
             part_of[i] = scale_hi32(h, nparts)
@@ -238,7 +234,7 @@ def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
         e = index[s0 + j]
         if e < 0:
             break
-        home = scale32(_index_hash(r64[_entry_row(e, row_bits), kcol]), ns)
+        home = scale32(index_hash(r64[_entry_row(e, row_bits), kcol]), ns)
         d_home = (home - hole) % ns
         d_j = (j - hole) % ns
         if 0 < d_home <= d_j:
@@ -331,7 +327,7 @@ def _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bi
     if t < 0:
         return
     kcol = meta // 2
-    s = scale32(_index_hash(r64[t, kcol]), ns)
+    s = scale32(index_hash(r64[t, kcol]), ns)
     for k in range(1, 3):  # at load <= 0.5 a run rarely holds more
         j = s + k if s + k < ns else s + k - ns
         e = index[s0 + j]
@@ -343,7 +339,7 @@ def _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bi
         prefetch_cell_for_write(rows, t, rows.shape[1] - 1)
     t2 = r32[t, meta + M_PREV]
     if t2 >= 0:
-        prefetch_row(index, s0 + scale32(_index_hash(r64[t2, kcol]), ns))
+        prefetch_row(index, s0 + scale32(index_hash(r64[t2, kcol]), ns))
         t3 = r32[t2, meta + M_PREV]
         if t3 >= 0:
             prefetch_row(r32, t3)
@@ -378,66 +374,6 @@ def _age_counts(r32, meta, parts, p):
 
 
 # ---------------------------------------------------------------- lookup
-
-@njit(cache=True, nogil=True)
-def dedupe(keys, hashes, order, lo, hi, ukeys, uhash, mult, local_inverse):
-    """Unique keys of positions lo..hi (through `order` when it is not empty), in first-seen
-    order, with their index hash and multiplicity, and each position's index among them
-    (local_inverse[j - lo]), through a small open-addressing table that stays in L1/L2. The
-    store probes its big index once per distinct key this way, never per duplicate; the PS
-    client and the wire layout use it too (`first_seen_unique`). `hashes` holds each key's
-    `_index_hash` when the caller computed them already (to partition the keys); when it is
-    empty they are computed here, which saves a pass that writes and reads them back. Returns
-    the number of distinct keys."""
-    n = hi - lo
-    size = 16
-    while size < 2 * n:
-        size *= 2
-    mask = np.uint64(size - 1)
-    table = np.full(size, -1, np.int32)
-    nu = 0
-    use_order = order.shape[0] > 0
-    hashed = hashes.shape[0] > 0
-    # Unsigned indices throughout: numba turns every access with a signed index into a check
-    # for a negative one (and the add that wraps it), which, with the registers it took, made
-    # this loop 7.4 ns per key instead of 5.2.
-    base = np.uint64(lo)
-    last = np.uint64(n - 1)
-    # The next position's key and hash are read one iteration early, so that hashing (a chain
-    # of multiplies) runs before this iteration's unpredictable new-or-seen branch rather than
-    # after each misprediction: 6.5 -> 6.3 ns per key, hashing included, on the bench's batches.
-    next_key = np.uint64(0)
-    next_h = np.uint64(0)
-    if n > 0:
-        i = np.uint64(order[base]) if use_order else base
-        next_key = keys[i]
-        next_h = hashes[i] if hashed else _index_hash(next_key)
-    for jj in range(n):
-        j = np.uint64(jj)
-        key = next_key
-        h = next_h
-        if j < last:
-            i = np.uint64(order[base + j + np.uint64(1)]) if use_order else base + j + np.uint64(1)
-            next_key = keys[i]
-            next_h = hashes[i] if hashed else _index_hash(next_key)
-        s = h & mask
-        while True:
-            u = table[s]
-            if u < 0:
-                u = nu
-                table[s] = u
-                ukeys[np.uint64(u)] = key
-                uhash[np.uint64(u)] = h
-                mult[np.uint64(u)] = 0
-                nu += 1
-                break
-            if ukeys[np.uint64(u)] == key:
-                break
-            s = (s + np.uint64(1)) & mask
-        mult[np.uint64(u)] += 1
-        local_inverse[j] = u
-    return nu
-
 
 @njit(cache=True, nogil=True)
 def _admit_any(key, seed, times, parts, p, icfg, fcfg, sketch):
@@ -543,7 +479,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 if r < 0:
                     return nuniq, ERR_FULL
                 _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
-                                                       _index_hash(r64[r, kcol]), row_bits), s0, ns, row_bits)
+                                                       index_hash(r64[r, kcol]), row_bits), s0, ns, row_bits)
                 if linked:
                     _lru_unlink(r32, meta, parts, p, r)
                     _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bits)
@@ -846,7 +782,7 @@ def rebuild_index(r64, index, parts, meta, row_bits):
         start = parts[p, PT_ROW_START]
         for r in range(start, start + parts[p, PT_SIZE]):
             key = r64[r, kcol]
-            h = _index_hash(key)
+            h = index_hash(key)
             slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
             if index[slot] >= 0:
                 return r  # a duplicate key: the rows are not a valid store
