@@ -28,12 +28,9 @@ from numba import njit
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, check_addresses, request_all
 from hybridrec.embedding import route
-from hybridrec.embedding import kernels as K
+from hybridrec.embedding.dedupe import first_seen_unique
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.ps.dense import check_optimizer, check_tensors
-
-_NONE = np.empty(0, dtype=np.int64)  # no partitions, no reordering
-_UNHASHED = np.empty(0, dtype=np.uint64)  # no precomputed hashes: dedupe computes them
 
 
 @njit(cache=True, nogil=True)
@@ -71,18 +68,6 @@ def _sum_by_unique(grads, inverse, summed):
         u = inverse[i]
         for j in range(grads.shape[1]):
             summed[u, j] += grads[i, j]
-
-
-def first_seen_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(unique keys in order of first appearance, int64 index of each key among them).
-
-    Deterministic: two processes deduplicating the same keys agree on the order, so one can
-    send rows for the unique keys and the other map them back without sending the index."""
-    n = len(keys)
-    unique_keys, inverse = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.int64)
-    count = K.dedupe(keys, _UNHASHED, _NONE, 0, n, unique_keys, np.empty(n, dtype=np.uint64),
-                     np.empty(n, dtype=np.int64), inverse)
-    return unique_keys[:count], inverse
 
 
 def shard_directory(directory: str | Path, shard: int, num_shards: int) -> Path:
