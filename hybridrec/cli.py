@@ -27,9 +27,12 @@ def _fmt(value) -> str:
 
 def cmd_train(args) -> int:
     from hybridrec.config import load_config
-    from hybridrec.train.loop import train
 
     cfg = load_config(args.config, args.set)
+    if cfg.strategy.distributed:
+        return _train_distributed(args, cfg)
+    from hybridrec.train.loop import train
+
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     keys = [k for k in result if k != "best_auc" and k.endswith(("auc", "logloss", "ne"))]
     print("final test " + ", ".join(f"{k}={_fmt(result[k])}" for k in keys))
@@ -41,6 +44,19 @@ def cmd_train(args) -> int:
     print(f"steps={result['step']} samples={result['samples']} "
           f"train samples/s={_fmt(result['train_samples_per_s'])} output={cfg.train.output_dir}")
     return 0
+
+
+def _train_distributed(args, cfg) -> int:
+    """A distributed strategy's roles started on this machine, as `hybridrec launch` would."""
+    from hybridrec.parallel.launch import command_line, launch, role_counts
+
+    counts = role_counts(cfg)
+    print(f"hybridrec train: strategy {cfg.strategy.record()} runs as several processes; starting them here: "
+          f"{command_line(args.config, counts, args.set)}", flush=True)
+    code = launch(args.config, **counts, overrides=args.set, resume=args.resume, overwrite=args.overwrite)
+    if code == 0:
+        print(f"final metrics: {cfg.train.output_dir}/final_metrics.json")
+    return code
 
 
 def cmd_eval(args) -> int:
@@ -85,7 +101,7 @@ def cmd_launch(args) -> int:
     from hybridrec.parallel.launch import launch
 
     try:
-        return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, nn_workers=args.nn_workers,
+        return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
                       overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
                       max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)
     except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
@@ -141,21 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run an embedding worker (options: hybridrec embedding-worker --help).")
     p.set_defaults(func=cmd_embedding_worker, rest=[])
 
-    p = sub.add_parser("launch", help="run every role of a distributed (persia) job on this machine",
-                       description="Start N PS servers, E embedding workers and K NN workers (under torchrun) "
-                       "for a config with strategy.name: persia; restart PS servers and embedding workers that "
+    p = sub.add_parser("launch", help="run every role of a distributed job on this machine",
+                       description="Start N PS servers, E embedding workers and K trainers (under torchrun) "
+                       "for a config whose strategy places embeddings on PS servers (e.g. strategy.preset: "
+                       "persia); counts not given come from strategy.roles; restart PS servers and embedding "
+                       "workers that "
                        "die; stop everything and delete the job's shared memory when the job ends. Exit code: "
                        "0 done, 1 a role failed, 2 bad arguments, 124 --timeout, 130 interrupted.")
-    p.add_argument("config", help="YAML job file with strategy.name: persia")
-    p.add_argument("--ps", type=int, required=True, metavar="N", help="embedding PS servers")
-    p.add_argument("--embedding-workers", type=int, required=True, metavar="E", help="embedding workers")
-    p.add_argument("--nn-workers", type=int, required=True, metavar="K", help="NN worker processes (torchrun)")
+    p.add_argument("config", help="YAML job file with a distributed strategy (e.g. strategy.preset: persia)")
+    p.add_argument("--ps", type=int, metavar="N", help="embedding PS servers (default: strategy.roles.ps_servers)")
+    p.add_argument("--embedding-workers", type=int, metavar="E",
+                   help="embedding workers; 0: trainers talk to the PS directly (default: strategy.roles)")
+    p.add_argument("--trainers", "--nn-workers", dest="trainers", type=int, metavar="K",
+                   help="trainer processes under torchrun (default: strategy.roles.trainers)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value in every role, e.g. --set train.max_steps=100 (repeatable)")
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="NN workers continue from the latest checkpoint")
+    again.add_argument("--resume", action="store_true", help="trainers continue from the latest checkpoint")
     again.add_argument("--overwrite", action="store_true", help="start over in a train.output_dir holding a run")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R", help="torchrun's restarts of the NN workers")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R", help="torchrun's restarts of the trainers")
     p.add_argument("--role-restarts", type=int, default=3, metavar="M",
                    help="restarts of each PS server and embedding worker before the job fails (default 3)")
     p.add_argument("--host", default="127.0.0.1", help="interface the PS servers and embedding workers bind")

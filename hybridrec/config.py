@@ -181,23 +181,75 @@ class TrainConfig(_Section):
     tensorboard: bool = False
 
 
+_AXES = ("placement", "consistency", "dense", "id_codec", "value_codec")
+
+
+class RolesSection(_Section):
+    """How many processes of each role a distributed job runs when `hybridrec train` (or
+    `hybridrec launch` without counts) starts it on this machine."""
+
+    ps_servers: int = Field(2, ge=1, le=256)
+    embedding_workers: int = Field(1, ge=0, le=256, description="0: trainers talk to the PS servers directly")
+    trainers: int = Field(2, ge=1, le=1024)
+
+
 class StrategyConfig(_Section):
-    """Where embeddings live and how updates are synchronised.
+    """How a job trains: a preset named after a paper (`local`, `persia`) expanded to the four
+    axes of hybridrec.axes, each of which may be set here to override the preset:
+    `placement` (where embeddings live), `consistency` (how stale a lookup may be), `dense` (how
+    the dense parameters are synchronised) and the wire codecs `id_codec` and `value_codec`.
+    `resolved` holds the outcome; impossible combinations are refused at load time."""
 
-    `local`: one process, embedded in-process stores (`hybridrec train`). `persia`: embedding
-    PS servers + embedding workers + NN workers under torchrun (`hybridrec launch`), with one
-    of Persia's three update disciplines."""
-
-    name: Literal["local", "persia"] = "local"
-    discipline: Literal["sync", "hybrid", "async"] = Field(
-        "hybrid", description="sync: staleness 0; hybrid: embeddings <= tau batches stale, dense AllReduce; "
-                              "async: embeddings as hybrid, dense parameters on the PS")
-    tau: int = Field(4, ge=0, le=1024, description="hybrid/async: batches in flight between lookup and update")
-    id_codec: Literal["none", "unique"] = Field("unique", description="ID features from NN worker to embedding worker")
-    value_codec: Literal["none", "fp16"] = Field("none", description="rows and gradients on the wire")
+    preset: Optional[str] = Field(None, description="local (default) or persia; sets every axis")
+    placement: Optional[str] = Field(None, description="local | ps")
+    consistency: Optional[str] = Field(None, description="sync | bounded")
+    dense: Optional[str] = Field(None, description="allreduce | ps_async")
+    id_codec: Optional[str] = Field(None, description="ID features from trainer to embedding worker: none | unique")
+    value_codec: Optional[str] = Field(None, description="rows and gradients on the wire: none | fp16")
+    tau: int = Field(4, ge=0, le=1024, description="bounded: batches in flight between lookup and update")
     request_timeout: float = Field(30.0, gt=0, description="seconds per request attempt")
     retries: int = Field(3, ge=0, le=100, description="retries of idempotent requests after a timeout")
     max_buffered_batches: int = Field(256, ge=1, description="batches an embedding worker buffers; older ones are dropped and counted")
+    roles: RolesSection = RolesSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict):
+            if "name" in data:
+                raise ValueError(f"strategy.name ({data['name']!r}) is now strategy.preset")
+            if "discipline" in data:
+                raise ValueError(f"strategy.discipline ({data['discipline']!r}) is now two axes: sync = "
+                                 "consistency sync; hybrid = consistency bounded; async = consistency bounded "
+                                 "+ dense ps_async")
+        return data
+
+    @model_validator(mode="after")
+    def _axes(self):
+        """Every axis field holds its resolved value from here on (the preset's unless set)."""
+        from hybridrec.axes import resolve
+
+        for axis, value in resolve(self.preset, {axis: getattr(self, axis) for axis in _AXES}).items():
+            object.__setattr__(self, axis, value)
+        return self
+
+    @property
+    def resolved(self) -> dict[str, str]:
+        """The axis values this job runs with (the preset's, overridden by the axes set)."""
+        return {axis: getattr(self, axis) for axis in _AXES}
+
+    @property
+    def distributed(self) -> bool:
+        return self.resolved["placement"] != "local"
+
+    @property
+    def effective_tau(self) -> int:
+        """Batches allowed between a lookup and its update: 0 unless consistency is bounded."""
+        return self.tau if self.resolved["consistency"] == "bounded" else 0
+
+    def record(self) -> dict:
+        """What a result file says about the strategy that produced it."""
+        return {"preset": self.preset or "local", **self.resolved, "tau": self.effective_tau}
 
 
 class JobConfig(_Section):
@@ -307,6 +359,9 @@ def parse_config(data: dict, source: str = "<config>", text: str | None = None,
             if err["type"] == "extra_forbidden" and any(w == where for w, _ in problems):
                 continue  # already reported with the closest valid name
             msg = err["msg"].removeprefix("Value error, ")
+            named = re.match(r"(strategy\.\w+): (.*)", msg, re.S)  # an axis error names its own key
+            if named:
+                where, msg = named.groups()
             if err["type"] not in ("value_error", "assertion_error") and "input" in err:
                 msg = f"{msg} (got {err['input']!r})"
             if err["type"] == "literal_error":

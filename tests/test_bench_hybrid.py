@@ -1,5 +1,5 @@
 """Tests of `hybridrec bench hybrid` (hybridrec/benchmarks/hybrid.py): a tiny real job per
-discipline (PS + embedding worker + 2 NN workers under torchrun) gives a JSON report with the
+discipline (PS + embedding worker + 2 trainers under torchrun) gives a JSON report with the
 three disciplines, finite numbers, no staleness under sync and at most tau otherwise; a failed
 job is an error naming the discipline, the exit code and the launcher's output; the codec report
 computes its ratios and target from per-run metrics. No timing is asserted."""
@@ -15,7 +15,7 @@ from hybridrec.benchmarks import hybrid
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "persia_synthetic.yaml")
-TINY = ["--config", CONFIG, "--runs", "1", "--ps", "1", "--nn-workers", "2", "--embedding-workers", "1",
+TINY = ["--config", CONFIG, "--runs", "1", "--ps", "1", "--trainers", "2", "--embedding-workers", "1",
         "--set", "data.synthetic.train_rows=8192", "--set", "data.synthetic.test_rows=1000",
         "--set", "data.synthetic.vocab_size=100", "--set", "data.batch_size=256",
         "--set", "embedding.default.capacity=5000", "--set", "strategy.tau=2", "--timeout", "120"]
@@ -43,7 +43,7 @@ def test_failed_job_names_discipline_exit_code_and_output(monkeypatch, capsys):
     """The sync job (a fake launch) succeeds, the hybrid one exits 1: the benchmark stops there."""
     def fake_launch(config, *, overrides, out, **kwargs):
         out.write("[ps0] Traceback: something broke\n")
-        if "strategy.discipline=sync" not in overrides:
+        if "strategy.consistency=sync" not in overrides:
             return 1
         output_dir = pathlib.Path(next(o for o in overrides if o.startswith("train.output_dir="))
                                   .split("=", 1)[1])
@@ -63,7 +63,8 @@ def test_failed_job_names_discipline_exit_code_and_output(monkeypatch, capsys):
 def test_codec_report_ratios_and_target():
     def runs(bytes_per_sample, aucs):
         return [{"auc": a, "logloss": 0.4, "train_samples_per_s": 100.0, "max_staleness": 2,
-                 "mean_staleness": 1.0, "bytes_per_sample": bytes_per_sample, "tau": 2} for a in aucs]
+                 "mean_staleness": 1.0, "bytes_per_sample": bytes_per_sample, "strategy": {"tau": 2}}
+                for a in aucs]
 
     raw = {"none/none": runs(400.0, [0.80, 0.81]), "unique/none": runs(200.0, [0.80, 0.81]),
            "unique/fp16": runs(100.0, [0.7999, 0.8098])}

@@ -32,16 +32,16 @@ def write_config(tmp_path: Path, **train) -> Path:
                       "wide": {"optimizer": {"lr": 0.3}}},
         "train": {"epochs": 1, "dense_optimizer": {"name": "adam", "lr": 0.02}, "log_every": 5,
                   "output_dir": str(tmp_path / "run"), **train},
-        "strategy": {"name": "persia", "discipline": "hybrid", "tau": TAU, "request_timeout": 20, "retries": 3},
+        "strategy": {"preset": "persia", "tau": TAU, "request_timeout": 20, "retries": 3},
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def start_launch(config: Path, log: Path, *extra: str, ps: int = 2, nn_workers: int = 2) -> subprocess.Popen:
+def start_launch(config: Path, log: Path, *extra: str, ps: int = 2, trainers: int = 2) -> subprocess.Popen:
     command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", str(ps),
-               "--embedding-workers", "1", "--nn-workers", str(nn_workers), "--overwrite", "--timeout", str(JOB_SECONDS),
+               "--embedding-workers", "1", "--trainers", str(trainers), "--overwrite", "--timeout", str(JOB_SECONDS),
                *extra]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -114,7 +114,7 @@ def test_two_ps_two_nn_workers_converge_with_staleness_within_tau(tmp_path):
     code = finish(start_launch(config, log), log)
     assert code == 0, log.read_text()[-3000:]
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
-    assert result["nn_workers"] == 2 and result["discipline"] == "hybrid"
+    assert result["trainers"] == 2 and result["strategy"]["consistency"] == "bounded"
     assert result["step"] == steps_of_one_epoch(config)
     # learnt: near the planted model's AUC, the ceiling (one process gets 0.814 of 0.837 on this data)
     assert result["best_auc"] - LEARNT_GAP < result["auc"] <= result["best_auc"] + 0.01, result
@@ -127,7 +127,7 @@ def test_two_ps_two_nn_workers_converge_with_staleness_within_tau(tmp_path):
 
 def test_sync_discipline_never_reads_a_stale_embedding(tmp_path):
     config, log = write_config(tmp_path, max_steps=20), tmp_path / "launch.log"
-    code = finish(start_launch(config, log, "--set", "strategy.discipline=sync"), log)
+    code = finish(start_launch(config, log, "--set", "strategy.consistency=sync"), log)
     assert code == 0, log.read_text()[-3000:]
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
     assert result["max_staleness"] == 0 and result["step"] == 20
@@ -139,8 +139,8 @@ def test_the_lossless_wire_mode_trains_exactly_like_the_baseline(tmp_path):
     results = {}
     for codec in ("none", "unique"):
         config, log = write_config(tmp_path / codec, max_steps=30), tmp_path / f"{codec}.log"
-        code = finish(start_launch(config, log, "--set", "strategy.discipline=sync", "--set",
-                                   f"strategy.id_codec={codec}", ps=1, nn_workers=1), log)
+        code = finish(start_launch(config, log, "--set", "strategy.consistency=sync", "--set",
+                                   f"strategy.id_codec={codec}", ps=1, trainers=1), log)
         assert code == 0, log.read_text()[-3000:]
         results[codec] = json.loads((tmp_path / codec / "run" / "final_metrics.json").read_text())
     assert results["unique"]["auc"] == results["none"]["auc"]
@@ -169,7 +169,7 @@ def test_nn_worker_failure_restarts_the_group_from_the_last_checkpoint(tmp_path)
     latest = tmp_path / "run" / "checkpoints" / "latest"
     wait_for(lambda: latest.is_file() and trained_steps(tmp_path / "run") >= 25, JOB_SECONDS,
              "a checkpoint and 25 steps", log)
-    workers = [pid for pid in processes_with("hybridrec.parallel.nn_worker", str(config))
+    workers = [pid for pid in processes_with("hybridrec.parallel.trainer", str(config))
                if "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
     assert workers, "no NN worker process found"
     os.kill(workers[0], signal.SIGKILL)

@@ -10,17 +10,18 @@ import torch
 
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.config import parse_config
-from hybridrec.parallel.embedding_client import EmbeddingWorkerClient
-from hybridrec.parallel.embedding_inputs import EmbeddingInputs
-from hybridrec.parallel.tables import job_tables
+from hybridrec.job.sources import build_sources
+from hybridrec.job.tables import job_tables
 from hybridrec.ps.embedding_worker import EmbeddingWorker, worker_of
 from hybridrec.ps.server import serve
-from hybridrec.train.data import build_sources
-from hybridrec.train.recmodel import RecModel
+from hybridrec.strategy.inputs import EmbeddingInputs
+from hybridrec.strategy.placement.embedding_worker_client import EmbeddingWorkerClient
+from hybridrec.strategy.placement.local import LocalPlacement
+from hybridrec.strategy.world import World
 
 # multi-hot features, a table shared by two features, mean and sqrt-n pooling, deep and wide sides
 CONFIG = {
-    "strategy": {"name": "persia"},
+    "strategy": {"preset": "persia"},
     "data": {"format": "synthetic", "batch_size": 48,
              "synthetic": {"n_categorical": 3, "n_multi_hot": 2, "multi_hot_max_length": 4, "n_dense": 2,
                            "vocab_size": 200, "train_rows": 500, "test_rows": 100}},
@@ -34,7 +35,7 @@ CONFIG = {
 @pytest.fixture(params=["unique", "none"])
 def job(request):
     """A 2-shard job whose embedding worker sends unique rows (id codec "unique") or pooled rows."""
-    cfg = parse_config({**CONFIG, "strategy": {"name": "persia", "id_codec": request.param}})
+    cfg = parse_config({**CONFIG, "strategy": {"preset": "persia", "id_codec": request.param}})
     tables = job_tables(cfg)
     servers = [serve(tables=tables.all_tables(), block=False) for _ in range(2)]
     worker = EmbeddingWorker(tables, [s.address for s in servers], rank=5, max_buffered=3,
@@ -59,13 +60,14 @@ def test_config_has_the_features_this_test_relies_on(job):
 def test_pull_and_push_equal_the_local_collection_step_by_step(job):
     cfg, tables, _, client = job
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
-    local = RecModel(cfg, sources.sparse_names, sources.num_dense, 1)
+    local = LocalPlacement(cfg, tables, World())
     generator = torch.Generator().manual_seed(0)
     for step, batch in zip(range(4), sources.train):
-        deep = local.deep.forward_stacked(batch.sparse, local.sparse_names)
-        wide = local.wide.forward_stacked(batch.sparse, local.sparse_names).squeeze(-1)
+        reference = local.inputs(batch, batch, requires_grad=True)
+        deep, wide = reference.deep, reference.wide
         first = client.put(batch.sparse)
-        inputs = EmbeddingInputs(client.pull(first), batch.sparse, tables, requires_grad=True)
+        inputs = EmbeddingInputs.from_pulled(client.pull(first), lambda: tables.layout(batch.sparse),
+                                             tables.deep_dim, requires_grad=True)
         np.testing.assert_allclose(inputs.deep.detach(), deep.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
         np.testing.assert_allclose(inputs.wide.detach(), wide.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
         # both wire modes give the dense model [B, F, D] in memory order: with another layout its

@@ -204,7 +204,7 @@ def test_sigint_to_the_supervisor_process_stops_every_process_tree(tmp_path):
 
 
 def test_the_roles_follow_the_command_contract():
-    plan = build_roles("job.yaml", ps=2, embedding_workers=2, nn_workers=3, overrides=["train.max_steps=5"],
+    plan = build_roles("job.yaml", ps=2, embedding_workers=2, trainers=3, overrides=["train.max_steps=5"],
                        job="j1", resume=True, max_restarts=2, role_restarts=4)
     assert [r.name for r in plan.roles] == ["ps0", "ps1", "ew0", "ew1", "nn"]
     assert plan.shm_names == ["hybridrec-j1-ps0", "hybridrec-j1-ps1"]
@@ -221,7 +221,7 @@ def test_the_roles_follow_the_command_contract():
     nn = plan.roles[4]
     assert nn.main and nn.argv[1:9] == ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
                                         "--max-restarts", "2"]
-    assert nn.argv[-9:] == ["hybridrec.parallel.nn_worker", "job.yaml", "--set", "train.max_steps=5", "--ps",
+    assert nn.argv[-9:] == ["hybridrec.parallel.trainer", "job.yaml", "--set", "train.max_steps=5", "--ps",
                             ",".join(plan.ps_addresses), "--embedding-workers",
                             ",".join(plan.embedding_worker_addresses), "--resume"]
 
@@ -306,9 +306,9 @@ def test_launch_removes_dead_jobs_memory_at_start_after_its_job_line(tmp_path, m
     dead_sets = job_sets(dead)
     monkeypatch.setattr(Supervisor, "run", lambda self, timeout=None: OK)  # no roles: only the start
     config = tmp_path / "job.yaml"
-    config.write_text("strategy:\n  name: persia\n")
+    config.write_text("strategy:\n  preset: persia\n")
     out = Lines()
-    assert launch(str(config), ps=1, embedding_workers=1, nn_workers=1, out=out) == OK
+    assert launch(str(config), ps=1, embedding_workers=1, trainers=1, out=out) == OK
     assert not any(p.exists() for p in dead_sets)
     lines = out.lines()
     assert lines[0].startswith("[launch] job ")
@@ -317,12 +317,12 @@ def test_launch_removes_dead_jobs_memory_at_start_after_its_job_line(tmp_path, m
     assert job.rsplit("-", 1)[0] == new_job_id().rsplit("-", 1)[0]  # launched by this process
 
 
-def test_launch_refuses_a_local_strategy_config_naming_strategy_name(tmp_path, capsys):
+def test_launch_refuses_a_local_strategy_config_naming_the_placement(tmp_path, capsys):
     config = tmp_path / "job.yaml"
-    config.write_text("strategy:\n  name: local\n")
-    assert main(["launch", str(config), "--ps", "1", "--embedding-workers", "1", "--nn-workers", "1"]) == 2
+    config.write_text("strategy:\n  preset: local\n")
+    assert main(["launch", str(config), "--ps", "1", "--embedding-workers", "1", "--trainers", "1"]) == 2
     err = capsys.readouterr().err
-    assert "strategy.name is 'local'" in err and "--set strategy.name=persia" in err
+    assert "strategy.placement is 'local'" in err and "--set strategy.preset=persia" in err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -331,6 +331,6 @@ def test_launch_refuses_a_local_strategy_config_naming_strategy_name(tmp_path, c
 ])
 def test_launch_refuses_bad_counts_before_starting_anything(tmp_path, capsys, flags, message):
     config = tmp_path / "job.yaml"
-    config.write_text("strategy:\n  name: persia\n")
+    config.write_text("strategy:\n  preset: persia\n")
     assert main(["launch", str(config), *flags]) == 2
     assert message in capsys.readouterr().err

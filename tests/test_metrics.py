@@ -1,4 +1,4 @@
-"""Tests for hybridrec.train.metrics: AUC against scikit-learn (with ties), logloss and NE
+"""Tests for hybridrec.metrics: AUC against scikit-learn (with ties), logloss and NE
 against their formulas, and the streaming accumulator."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score
 
-from hybridrec.train.metrics import MetricAccumulator, auc, logloss, normalized_entropy
+from hybridrec.metrics import MetricAccumulator, auc, logloss, normalized_entropy
 
 
 def random_scored_labels(seed: int, n: int, positive_rate: float, score_levels: int):

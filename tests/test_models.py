@@ -18,7 +18,7 @@ from hybridrec.models import (
     build_model,
     model_hparams,
 )
-from hybridrec.train.metrics import auc
+from hybridrec.metrics import auc
 
 MODEL_NAMES = ["lr", "fm", "wide_deep", "deepfm", "dcn", "dlrm"]
 MODELS_WITH_HEAD = ["wide_deep", "deepfm", "dcn", "dlrm"]

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from hybridrec.config import ConfigError, load_config, parse_config
-from hybridrec.train.checkpoint import latest_checkpoint, load_training
-from hybridrec.train.data import build_sources
-from hybridrec.train.loop import evaluate_checkpoint, train
-from hybridrec.train.recmodel import RecModel, embedding_tables
+from hybridrec.job.tables import embedding_tables
+from hybridrec.train.checkpoint import latest_checkpoint
+from hybridrec.train.loop import evaluate_checkpoint, load_local, train
 
 torch.set_num_threads(1)
 
@@ -80,11 +79,9 @@ def crash_at(step_to_die):
 
 def trained_state(cfg):
     """Dense state dict and exported embedding rows of the latest checkpoint of `cfg`'s run."""
-    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
-    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
-    load_training(latest_checkpoint(cfg.train.output_dir), model)
-    rows = {(c, t): store.export() for c, col in model.collections().items() for t, store in col.stores.items()}
-    return model.dense_model.state_dict(), rows
+    model, placement, _ = load_local(cfg, cfg.train.output_dir)
+    rows = {(c, t): store.export() for c, col in placement.collections.items() for t, store in col.stores.items()}
+    return model.state_dict(), rows
 
 
 @pytest.mark.parametrize("model, prefetch", [("deepfm", 2), ("dlrm", 0)])

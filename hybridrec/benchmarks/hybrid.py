@@ -1,19 +1,21 @@
 """`hybridrec bench hybrid`: Persia's three update disciplines, and its wire codecs, on real jobs.
 
 Default mode: the same distributed job (`hybridrec.parallel.launch.launch`: PS servers,
-embedding workers, NN workers under torchrun; same data and seed) is run under
-`strategy.discipline` sync, hybrid and async, `--runs` times each, interleaved (run 1 of every
+embedding workers, trainers under torchrun; same data and seed) is run under Persia's three
+disciplines, each a point of the strategy axes (DISCIPLINES): sync (consistency sync, dense
+allreduce), hybrid (bounded, allreduce) and async (bounded, ps_async), `--runs` times each,
+interleaved (run 1 of every
 discipline, then run 2, ...) so the machine's noise falls on all three alike. Reported per
 discipline, from each job's final_metrics.json: test `auc` and `logloss`, training
 `samples_per_s`, `max_staleness` / `mean_staleness` (batches between an embedding lookup and
-its update) and `bytes_per_sample` (payload between NN workers and embedding workers per
+its update) and `bytes_per_sample` (payload between trainers and embedding workers per
 training sample); medians over the runs, the per-run values under `runs`. Plus the hybrid-sync
 AUC difference and the samples/s ratios hybrid/sync and async/sync (medians of the per-run
 paired ratios).
 
 `--codecs`: (id_codec, value_codec) = (none, none), (unique, none), (unique, fp16): bytes per
 sample of each, how many times fewer than none/none, and AUC/logloss (medians). These jobs run
-under the sync discipline with 1 NN worker by default: that training is deterministic, so an AUC
+under the sync discipline with 1 trainer by default: that training is deterministic, so an AUC
 difference is the codec's own. With 2 workers the order in which updates reach the PS varies,
 and run-to-run noise (~0.002 AUC) hides a cost of 0.0005. The issue's target: >= 3x fewer bytes
 than int64 keys + fp32 rows, AUC cost < 0.0005.
@@ -36,7 +38,10 @@ from typing import Sequence
 
 from hybridrec.benchmarks.timing import positive_int
 
-DISCIPLINES = ("sync", "hybrid", "async")
+# Persia's disciplines as strategy axes: the bench's variants
+DISCIPLINES = {"sync": ["strategy.consistency=sync", "strategy.dense=allreduce"],
+               "hybrid": ["strategy.consistency=bounded", "strategy.dense=allreduce"],
+               "async": ["strategy.consistency=bounded", "strategy.dense=ps_async"]}
 CODECS = (("none", "none"), ("unique", "none"), ("unique", "fp16"))
 DEFAULT_CONFIG = "configs/persia_synthetic.yaml"
 # final_metrics.json key -> the name reported here
@@ -58,17 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs one Persia-style job under sync, hybrid and async (or, with --codecs, "
                     "under three wire codecs) and compares AUC, samples/s, staleness and bytes.")
     parser.add_argument("--config", default=DEFAULT_CONFIG,
-                        help=f"job config (strategy.name persia), default {DEFAULT_CONFIG}")
+                        help=f"job config (strategy.preset persia), default {DEFAULT_CONFIG}")
     parser.add_argument("--runs", type=positive_int, default=3, help="jobs per variant (default 3)")
     parser.add_argument("--ps", type=positive_int, default=2, help="PS servers (default 2)")
     parser.add_argument("--embedding-workers", type=positive_int, default=1,
                         help="embedding workers (default 1)")
-    parser.add_argument("--nn-workers", type=positive_int, default=None,
-                        help="NN workers (default 2; 1 with --codecs)")
+    parser.add_argument("--trainers", "--nn-workers", dest="trainers", type=positive_int, default=None,
+                        help="trainers (default 2; 1 with --codecs)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every job (repeatable)")
     parser.add_argument("--codecs", action="store_true",
-                        help="compare id/value codecs instead (sync discipline, deterministic with 1 NN worker)")
+                        help="compare id/value codecs instead (sync discipline, deterministic with 1 trainer)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per job (default 3600)")
     parser.add_argument("--keep", metavar="DIR",
                         help="write the jobs' output directories under DIR and keep them "
@@ -94,7 +99,7 @@ def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_d
     log = io.StringIO()
     sets = [*args.set, *overrides, f"train.output_dir={output_dir}"]
     code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers,
-                  nn_workers=args.nn_workers, overrides=sets, overwrite=True,
+                  trainers=args.trainers, overrides=sets, overwrite=True,
                   timeout=args.timeout, out=log)
     text = log.getvalue()
     if args.verbose:
@@ -109,7 +114,7 @@ def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_d
                         f"{text[-OUTPUT_TAIL:]}")
     metrics = json.loads(metrics_file.read_text())
     if not metrics.get("step"):
-        raise JobFailed(f"the {label} job trained no step (every NN worker needs a share of the training "
+        raise JobFailed(f"the {label} job trained no step (every trainer needs a share of the training "
                         f"data: synthetic rows come in blocks of 4,096, one block per rank at the least); "
                         f"its metrics: {metrics}")
     return metrics
@@ -135,7 +140,8 @@ def summarize_variant(runs: list[dict]) -> dict:
     summary["best_auc"] = _median([r.get("best_auc") for r in runs])
     summary["lost_batches"] = sum(r.get("lost_batches") or 0 for r in runs)
     summary["dropped_updates"] = sum(r.get("dropped_updates") or 0 for r in runs)
-    summary["tau"] = runs[0].get("tau") if runs else None
+    summary["tau"] = (runs[0].get("strategy") or {}).get("tau") if runs else None
+    summary["strategy"] = runs[0].get("strategy") if runs else None
     summary["runs"] = [{name: r.get(key) for key, name in METRICS.items()} for r in runs]
     return summary
 
@@ -241,26 +247,26 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         root = Path(tempfile.mkdtemp(prefix="hybridrec-bench-hybrid-"))
     try:
         if args.codecs:
-            variants = {codec_name(ids, values): ["strategy.discipline=sync", f"strategy.id_codec={ids}",
+            variants = {codec_name(ids, values): [*DISCIPLINES["sync"], f"strategy.id_codec={ids}",
                                                   f"strategy.value_codec={values}"]
                         for ids, values in CODECS}
             report = codecs_report(run_variants(args, variants, root))
         else:
-            variants = {name: [f"strategy.discipline={name}"] for name in DISCIPLINES}
+            variants = dict(DISCIPLINES)
             report = disciplines_report(run_variants(args, variants, root))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report["settings"] = {"config": args.config, "set": args.set, "runs": args.runs, "ps": args.ps,
-                          "embedding_workers": args.embedding_workers, "nn_workers": args.nn_workers}
+                          "embedding_workers": args.embedding_workers, "trainers": args.trainers}
     return report
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.nn_workers is None:
-        args.nn_workers = 1 if args.codecs else 2
+    if args.trainers is None:
+        args.trainers = 1 if args.codecs else 2
     if not Path(args.config).is_file():
         parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
     try:

@@ -275,7 +275,7 @@ def planted_auc(config: SyntheticConfig = CRITEO_LIKE, rows: int = 50_000, *, se
                 first_row: int = 0) -> float:
     """AUC of the planted model against the sampled labels of rows first_row.. (e.g. the
     held-out rows after a training prefix): the best AUC a learned model can expect."""
-    from hybridrec.train.metrics import auc
+    from hybridrec.metrics import auc
 
     labels, scores = [], []
     for batch in SyntheticReader(config, rows, BLOCK_ROWS, seed=seed, first_row=first_row):

@@ -1,6 +1,6 @@
-"""hybridrec.parallel: distributed strategies built on the embedding engine and the PS.
+"""hybridrec.parallel: the processes of a distributed job on one machine.
 
-`tables` derives a job's embedding tables from its config (what every role agrees on);
-`nn_worker` is the torchrun entry of Persia-style training; `launch` starts every role of a
-job on one machine.
+`trainer` is the torchrun entry of a trainer (it joins the process group and runs the one
+training loop); `launch` starts every role of a job (PS servers, embedding workers, trainers)
+under `supervisor`, which restarts the services that die and stops everything at the end.
 """

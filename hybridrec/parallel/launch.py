@@ -1,19 +1,22 @@
-"""`hybridrec launch`: every role of a Persia-style job on this machine, under one supervisor.
+"""`hybridrec launch`: every role of a distributed job on this machine, under one supervisor.
 
 N PS servers (each with its tables in named shared memory, so a restarted server reattaches),
-E embedding workers, then K NN workers under torchrun once every server and embedding worker
+E embedding workers (none: trainers talk to the servers directly), then K trainers under
+torchrun once every server and embedding worker
 reported ready. PS servers and embedding workers are restarted on the same port when they die
 (`role_restarts` times each); torchrun restarts its own workers (`max_restarts`). When the job
 ends, for whatever reason, every process is stopped and the job's shared memory is deleted. A
 launcher killed with SIGKILL cannot do that, so each launch first removes the shared memory of
 launcher jobs whose launcher process is gone (`remove_dead_jobs_shared_memory`).
 
-Python API: `launch(config, ps=N, embedding_workers=E, nn_workers=K, ...)` returns the exit code;
-`build_roles(...)` gives the `Role`s without running them.
+Counts not given come from the config's `strategy.roles`. Python API: `launch(config, ps=N,
+embedding_workers=E, trainers=K, ...)` returns the exit code; `build_roles(...)` gives the
+`Role`s without running them.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
+from hybridrec.comm.auth import launcher_environment
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.parallel.supervisor import Role, Supervisor, proc_stat_fields
 
@@ -144,13 +148,14 @@ class JobPlan:
     shm_names: list[str]
 
 
-def check_arguments(*, ps: int, embedding_workers: int, nn_workers: int, max_restarts: int = 0,
+def check_arguments(*, ps: int, embedding_workers: int, trainers: int, max_restarts: int = 0,
                     role_restarts: int = 3, resume: bool = False, overwrite: bool = False,
                     timeout: float | None = None) -> None:
     """ValueError naming the flag when a count or option of `hybridrec launch` is out of range."""
-    for flag, value in (("--ps", ps), ("--embedding-workers", embedding_workers), ("--nn-workers", nn_workers)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    for flag, value, least in (("--ps", ps, 1), ("--embedding-workers", embedding_workers, 0),
+                               ("--trainers", trainers, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
     for flag, value in (("--max-restarts", max_restarts), ("--role-restarts", role_restarts)):
         if value < 0:
             raise ValueError(f"{flag} must be 0 or more, got {value}")
@@ -161,23 +166,40 @@ def check_arguments(*, ps: int, embedding_workers: int, nn_workers: int, max_res
 
 
 def check_config(config: str, overrides: Sequence[str] = ()) -> JobConfig:
-    """Load the job config and make sure it describes a distributed (persia) job."""
+    """Load the job config and make sure it describes a distributed job."""
     cfg = load_config(config, list(overrides))
-    if cfg.strategy.name != "persia":
+    if not cfg.strategy.distributed:
         raise ConfigError(
-            f"{config}: strategy.name is {cfg.strategy.name!r}; `hybridrec launch` runs Persia-style jobs "
-            f"(PS servers + embedding workers + NN workers). Add `--set strategy.name=persia`, set "
-            f"`strategy: {{name: persia}}` in the config, or run `hybridrec train {config}` for one process")
+            f"{config}: strategy.placement is 'local'; `hybridrec launch` runs distributed jobs (PS servers, "
+            f"embedding workers, trainers). Add `--set strategy.preset=persia`, set `strategy: {{preset: persia}}` "
+            f"in the config, or run `hybridrec train {config}` for one process")
     return cfg
 
 
-def build_roles(config: str, *, ps: int, embedding_workers: int, nn_workers: int,
+def role_counts(cfg: JobConfig, ps: int | None = None, embedding_workers: int | None = None,
+                trainers: int | None = None) -> dict[str, int]:
+    """The counts given, the rest from the config's strategy.roles."""
+    roles = cfg.strategy.roles
+    return {"ps": roles.ps_servers if ps is None else ps,
+            "embedding_workers": roles.embedding_workers if embedding_workers is None else embedding_workers,
+            "trainers": roles.trainers if trainers is None else trainers}
+
+
+def command_line(config: str, counts: dict[str, int], overrides: Sequence[str] = ()) -> str:
+    """The `hybridrec launch` command that runs this job with these counts."""
+    sets = "".join(f" --set {item}" for item in overrides)
+    return (f"hybridrec launch {config} --ps {counts['ps']} --embedding-workers {counts['embedding_workers']} "
+            f"--trainers {counts['trainers']}{sets}")
+
+
+def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int,
                 overrides: Sequence[str] = (), host: str = "127.0.0.1", job: str | None = None,
                 resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
                 role_restarts: int = 3, startup_timeout: float = 180.0,
-                python: str = sys.executable) -> JobPlan:
-    """The roles of one job, with ports picked now so a restarted role keeps its address."""
-    check_arguments(ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers, max_restarts=max_restarts,
+                python: str = sys.executable, checkpoint_root: str | None = None) -> JobPlan:
+    """The roles of one job, with ports picked now so a restarted role keeps its address.
+    `checkpoint_root`: the absolute train.output_dir, the only place the servers checkpoint to."""
+    check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
                     role_restarts=role_restarts, resume=resume, overwrite=overwrite)
     job = job or new_job_id()
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # what clients dial
@@ -187,21 +209,26 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, nn_workers: int
     ew_addresses = [f"tcp://{connect_host}:{p}" for p in ew_ports]
     shm_names = [ps_shm_name(job, i) for i in range(ps)]
     sets = [arg for item in overrides for arg in ("--set", item)]
+    env = launcher_environment(host)  # off loopback: the job's new key for every role, never in an argv
+    root = ["--checkpoint-root", checkpoint_root] if checkpoint_root else []
+    # the trainers send checkpoint paths under that same absolute root
+    trainer_root = ["--set", f"train.output_dir={json.dumps(checkpoint_root)}"] if checkpoint_root else []
     roles = [Role(f"ps{i}", [python, "-m", "hybridrec.cli", "serve-ps", "--config", config, *sets,
-                             "--host", host, "--port", str(port), "--shm-name", shm_names[i]],
-                  ready_marker=PS_READY, restarts=role_restarts, startup_timeout=startup_timeout)
+                             "--host", host, "--port", str(port), "--shm-name", shm_names[i], *root],
+                  ready_marker=PS_READY, restarts=role_restarts, startup_timeout=startup_timeout, env=env)
              for i, port in enumerate(ps_ports)]
     roles += [Role(f"ew{e}", [python, "-m", "hybridrec.cli", "embedding-worker", config, *sets, "--rank", str(e),
                               "--ps", ",".join(ps_addresses), "--host", host, "--port", str(port)],
-                   ready_marker=EMBEDDING_WORKER_READY, restarts=role_restarts, startup_timeout=startup_timeout)
+                   ready_marker=EMBEDDING_WORKER_READY, restarts=role_restarts, startup_timeout=startup_timeout,
+                   env=env)
               for e, port in enumerate(ew_ports)]
     again = ["--resume"] if resume else ["--overwrite"] if overwrite else []
     roles.append(Role("nn", [python, "-m", "torch.distributed.run", "--nnodes", "1",
-                             "--nproc-per-node", str(nn_workers), "--max-restarts", str(max_restarts),
+                             "--nproc-per-node", str(trainers), "--max-restarts", str(max_restarts),
                              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
-                             "-m", "hybridrec.parallel.nn_worker", config, *sets,
+                             "-m", "hybridrec.parallel.trainer", config, *sets, *trainer_root,
                              "--ps", ",".join(ps_addresses), "--embedding-workers", ",".join(ew_addresses),
-                             *again], main=True))
+                             *again], main=True, env=env))
     return JobPlan(job, roles, ps_addresses, ew_addresses, shm_names)
 
 
@@ -226,7 +253,8 @@ def remove_shared_memory(shm_names: Sequence[str], tables: Sequence[str]) -> lis
     return removed
 
 
-def launch(config: str, *, ps: int, embedding_workers: int, nn_workers: int, overrides: Sequence[str] = (),
+def launch(config: str, *, ps: int | None = None, embedding_workers: int | None = None, trainers: int | None = None,
+           overrides: Sequence[str] = (),
            host: str = "127.0.0.1", resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
            role_restarts: int = 3, timeout: float | None = None, grace: float = 10.0,
            out: TextIO | None = None) -> int:
@@ -234,20 +262,23 @@ def launch(config: str, *, ps: int, embedding_workers: int, nn_workers: int, ove
 
     Raises ConfigError / ValueError before anything starts when the arguments or config are wrong.
     """
-    from hybridrec.parallel.tables import job_tables
+    from hybridrec.job.tables import job_tables
 
-    check_arguments(ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers, max_restarts=max_restarts,
-                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout)
     cfg = check_config(config, overrides)
+    counts = role_counts(cfg, ps, embedding_workers, trainers)
+    ps, embedding_workers, trainers = counts["ps"], counts["embedding_workers"], counts["trainers"]
+    check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
+                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout)
     tables = list(job_tables(cfg).all_tables())
-    plan = build_roles(config, ps=ps, embedding_workers=embedding_workers, nn_workers=nn_workers,
+    plan = build_roles(config, ps=ps, embedding_workers=embedding_workers, trainers=trainers,
                        overrides=overrides, host=host, resume=resume, overwrite=overwrite,
-                       max_restarts=max_restarts, role_restarts=role_restarts)
+                       max_restarts=max_restarts, role_restarts=role_restarts,
+                       checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
     supervisor = Supervisor(plan.roles, out=out, grace=grace)
     supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
     supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
                    f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
-                   f"{nn_workers} NN worker(s)")
+                   f"{trainers} trainer(s)")
     remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
     code = supervisor.run(timeout)
     if code != 0:

@@ -39,9 +39,9 @@ from hybridrec.comm.codec import (Encoded, decode_rows, encode_rows, make_id_cod
                                   without_prefix)
 from hybridrec.comm.transport import Message, Operation, Server, Service, check_addresses
 from hybridrec.data.batch import JaggedFeatures
-from hybridrec.parallel.tables import JobTables
+from hybridrec.job.tables import JobTables
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.pooling import BatchLayout, unpool
+from hybridrec.embedding.layout import BatchLayout, unpool
 
 READY = "hybridrec-embedding-worker listening on "  # printed with the address once it serves
 SAMPLE_ID_RANK_SHIFT = 56  # a sample id's first byte is the embedding worker's rank
@@ -246,7 +246,7 @@ class EmbeddingWorker(Service):
 
 def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.embedding_worker") -> int:
     from hybridrec.config import load_config
-    from hybridrec.parallel.tables import job_tables
+    from hybridrec.job.tables import job_tables
     from hybridrec.ps.server import run_until_stopped
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])

@@ -354,7 +354,7 @@ def _parse_table(text: str) -> tuple[str, dict[str, Any]]:
 def _config_tables(parser: argparse.ArgumentParser, path: str, sets: list[str]) -> dict[str, TableConfig]:
     """Every table of the job config at `path` (with `--set` overrides), as the trainer derives them."""
     from hybridrec.config import ConfigError, load_config
-    from hybridrec.parallel.tables import job_tables  # imports the models: only when asked
+    from hybridrec.job.tables import job_tables  # imports the models: only when asked
 
     try:
         return job_tables(load_config(path, sets)).all_tables()

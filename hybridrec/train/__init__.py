@@ -1,2 +1,2 @@
-"""hybridrec.train: the one training loop, its data sources, model assembly, checkpoints,
-metrics and reporting."""
+"""hybridrec.train: the one training loop of every strategy, its checkpoints, metrics and
+reporting."""

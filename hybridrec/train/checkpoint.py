@@ -3,7 +3,8 @@ random-number state, written together so that `--resume` continues exactly where
 
 Layout: `<output_dir>/checkpoints/step-<N>/` with `dense.pt` (model + optimizer state dicts and
 torch RNG state), `progress.json` (step, epoch, batch within the epoch, samples seen) and
-`embeddings/<collection>/<table>/` (store checkpoints, see hybridrec.embedding.checkpoint).
+`embeddings/` (the placement's tables: the local placement writes `<deep|wide>/<table>/` store
+checkpoints, see hybridrec.embedding.checkpoint; PS servers write their shards).
 `progress.json` also records the settings that fix the batch order and the model's shape, and
 resuming with different ones is refused (they would silently train something else).
 A checkpoint directory is complete once `progress.json` exists; it is written last, after the
@@ -19,7 +20,6 @@ from pathlib import Path
 import torch
 
 from hybridrec.config import ConfigError
-from hybridrec.embedding.checkpoint import load as load_store
 
 PROGRESS = "progress.json"
 # config keys a resumed run must share with the run that wrote the checkpoint: they decide which
@@ -43,18 +43,6 @@ def resume_identity(cfg) -> dict:
 
 def checkpoint_root(output_dir) -> Path:
     return Path(output_dir) / "checkpoints"
-
-
-def save_training(output_dir, model, optimizer, progress: dict, cfg=None, keep: int | None = None) -> Path:
-    """Write a complete checkpoint of the run at `progress['step']`, point `latest` at it and, with
-    `keep`, delete all but the newest `keep` checkpoints."""
-    def write_stores(embeddings: Path) -> None:
-        for cname, collection in model.collections().items():
-            for tname, store in collection.stores.items():
-                store.save(embeddings / cname / tname.replace(":", "_"))
-
-    return save_checkpoint(output_dir, {"model": model.dense_model.state_dict(), "optimizer": optimizer.state_dict()},
-                           write_stores, progress, cfg, keep)
 
 
 def save_checkpoint(output_dir, dense_state: dict, write_embeddings, progress: dict, cfg=None,
@@ -117,26 +105,3 @@ def read_dense(path) -> dict:
     state = torch.load(Path(path) / "dense.pt", weights_only=True, map_location="cpu")
     torch.set_rng_state(state["torch_rng"])
     return state
-
-
-def load_training(path, model, optimizer=None, cfg=None) -> dict:
-    """Restore a checkpoint into `model` (and `optimizer`); returns its progress record.
-
-    With `cfg`, refuses (ConfigError) a checkpoint written under different RESUME_KEYS values."""
-    path = Path(path)
-    record = read_progress(path, cfg)
-    state = read_dense(path)
-    model.dense_model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    for cname, collection in model.collections().items():
-        for tname, store in list(collection.stores.items()):
-            directory = path / "embeddings" / cname / tname.replace(":", "_")
-            loaded = load_store(directory, **_layout_of(store))
-            collection.replace_store(tname, loaded)
-    return record
-
-
-def _layout_of(store) -> dict:
-    """Fields that the running config decides (a checkpoint may be loaded with a new capacity)."""
-    return {"capacity": store.config.capacity, "num_threads": store.config.num_threads}

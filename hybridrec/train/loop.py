@@ -1,11 +1,15 @@
-"""The one training loop: read batches, forward, loss, backward (embedding optimizers run inside
-backward), dense optimizer step; evaluate on held-out data, log, checkpoint, resume.
+"""The one training loop of every strategy: read ready batches from the strategy's embedding
+stream, forward, loss, backward, hand the embedding gradients back, dense step; evaluate on
+held-out data, log, checkpoint, resume.
 
-Distributed strategies plug in underneath (where embeddings live, how dense gradients are
-synchronised); this loop stays the same.
+A local run is a world of one trainer; under torchrun each rank runs this same loop. What
+differs between strategies sits behind the axes (hybridrec.strategy): the placement makes the
+embedding inputs and applies their gradients, the consistency decides how far lookups run ahead
+of updates, the dense sync wraps the model.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -15,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridrec.config import JobConfig
-from hybridrec.data import PrefetchLoader
-from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, load_training, save_training
-from hybridrec.train.data import build_sources
-from hybridrec.train.metrics import MetricAccumulator
-from hybridrec.train.recmodel import RecModel, resolve_device
+from hybridrec.config import ConfigError, JobConfig
+from hybridrec.job.sources import build_sources
+from hybridrec.job.tables import job_tables
+from hybridrec.models import build_model
+from hybridrec.strategy import build_strategy
+from hybridrec.strategy.world import World
+from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, read_dense, read_progress, save_checkpoint
+from hybridrec.metrics import MetricAccumulator
 from hybridrec.train.reporting import Reporter
 
 
@@ -40,26 +46,52 @@ def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def dense_optimizer(cfg: JobConfig, params):
-    """The torch optimizer of the dense model's parameters, as train.dense_optimizer says."""
-    d = cfg.train.dense_optimizer
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[d.name]
-    return cls(params, lr=d.lr, weight_decay=d.weight_decay)
+def resolve_device(name: str) -> torch.device:
+    """'auto' = CUDA when available, else CPU; asking for CUDA without it is an error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' was asked for but torch.cuda.is_available() is False; "
+                         "use 'auto' or 'cpu'")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def _labels(batch) -> torch.Tensor:
-    return torch.from_numpy(batch.labels)
+def dense_model(cfg: JobConfig, tables) -> torch.nn.Module:
+    m = cfg.model
+    model = build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
+                        num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)
+    return model.to(resolve_device(cfg.train.device))
+
+
+def logits_of(module, inputs, batch, device: torch.device) -> torch.Tensor:
+    inputs = inputs.to(device)
+    dense = torch.from_numpy(batch.dense).to(device) if batch.dense.shape[1] else None
+    return module(inputs.deep, inputs.wide, dense)
 
 
 @torch.no_grad()
-def evaluate(model: RecModel, source, label_names) -> dict:
-    """Exact AUC, logloss and normalised entropy per task on every row of `source`."""
+def evaluate(model: torch.nn.Module, placement, source, label_names, world: World) -> dict:
+    """Exact AUC, logloss and normalised entropy per task on every row of `source`: trainer r
+    scores batches r, r+W, ...; every trainer gets the metrics of all of them."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters(), torch.empty(0)).device
+    connection = placement.connect()
+    scored = []
+    try:
+        for index, batch in enumerate(source):
+            if index % world.size != world.rank:
+                continue
+            looked = connection.lookup(connection.prepare(batch), train=False)
+            if looked is None:
+                raise RuntimeError("evaluation: the rows of a test batch were lost (was an embedding worker restarted?)")
+            logits = logits_of(model, placement.inputs(looked, batch, requires_grad=False), batch, device)
+            scored.append((torch.sigmoid(logits).cpu().numpy(), batch.labels))
+    finally:
+        connection.close()
+        model.train(was_training)
     acc = MetricAccumulator(len(label_names), label_names if len(label_names) > 1 else None)
-    for batch in source:
-        acc.update(torch.sigmoid(model(batch)).cpu().numpy(), batch.labels)
-    model.train(was_training)
+    for part in world.gather(scored):
+        for probs, labels in part:
+            acc.update(probs, labels)
     return acc.compute()
 
 
@@ -81,100 +113,220 @@ def open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
     return found
 
 
-def _total_steps(cfg: JobConfig, sources) -> int | None:
-    """Steps the run will take, for the progress bar (None when the data's size is unknown);
-    batches of `batch_size` rows, which rows dropped as bad can make a few less."""
-    by_data = (cfg.train.epochs * -(-sources.train_rows // cfg.data.batch_size)
+def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bool) -> tuple[dict, dict | None]:
+    """(progress, dense state or None): fresh, or the newest checkpoint's, its embeddings loaded."""
+    found = None
+    if world.leader:
+        checkpoint = open_checkpoint(Path(cfg.train.output_dir), resume, overwrite)
+        found = None if checkpoint is None else str(checkpoint)
+    found = world.broadcast(found)
+    progress = {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}
+    if found is None:
+        return progress, None
+    path = Path(found)
+    record = read_progress(path, cfg)
+    positions = record.pop("next_batch_by_rank")
+    if len(positions) != world.size:
+        raise ConfigError(f"resume: {path} was written by {len(positions)} trainers; this job has {world.size}")
+    if world.leader:
+        placement.load(path / "embeddings")
+        if world.grouped:
+            print(f"trainer: resumed from checkpoint {path} at step {record['step']}", flush=True)
+    state = read_dense(path)
+    world.barrier()
+    return {**record, "next_batch": positions[world.rank]}, state
+
+
+def save(cfg: JobConfig, world: World, placement, dense, progress: dict) -> None:
+    """Every trainer's updates are acknowledged (the caller drained its stream), then the leader
+    writes the checkpoint: dense state, the placement's tables, each trainer's data position."""
+    positions = world.gather(progress["next_batch"])
+    world.barrier()
+    if world.leader:
+        save_checkpoint(cfg.train.output_dir, dense.state(), placement.save, {**progress, "next_batch_by_rank": positions},
+                        cfg, cfg.train.keep_checkpoints)
+    world.barrier()
+
+
+def drain_seconds(cfg: JobConfig) -> float:
+    """How long the updates in flight may take: each push may wait out its PS retries."""
+    s = cfg.strategy
+    return s.request_timeout * (s.retries + 2) * (s.effective_tau + 2)
+
+
+def _due(every: int | None, step: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+def _total_steps(cfg: JobConfig, sources, world: World) -> int | None:
+    """Steps the run will take, for the progress bar (None when the data's size is unknown)."""
+    by_data = (cfg.train.epochs * -(-sources.train_rows // (cfg.data.batch_size * world.size))
                if sources.train_rows is not None else None)
     limits = [n for n in (by_data, cfg.train.max_steps) if n is not None]
     return min(limits) if limits else None
 
 
-def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = False) -> dict:
-    """Train as the config says; returns the final test metrics plus run facts.
-
-    A fresh run refuses an output_dir that already holds checkpoints (it would mix two runs) unless
-    `overwrite=True`; `resume=True` continues from the latest one and ends exactly as an
-    uninterrupted run would.
-    `on_step(step, model)` is called after every training step.
-    """
+def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = False,
+          endpoints: dict | None = None) -> dict:
+    """Train as the config says, as this process's part of the job; returns the final test metrics
+    and run facts. `endpoints` holds the addresses of a remote placement's services. A fresh run
+    refuses an output_dir that holds checkpoints unless `overwrite`; `resume` continues from the
+    latest one and ends exactly as an uninterrupted run would. `on_step(step, model)` is called
+    after every training step."""
+    world = World.current()
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
-    out_dir = Path(cfg.train.output_dir)
-    sources = build_sources(cfg.data, cfg.seed)
-    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
-    model.dense_model.to(resolve_device(cfg.train.device))
-    optimizer = dense_optimizer(cfg, model.dense_model.parameters())
-    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "samples": 0}
-    checkpoint = open_checkpoint(out_dir, resume, overwrite)
-    if checkpoint is not None:
-        progress = load_training(checkpoint, model, optimizer, cfg)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-    max_steps = cfg.train.max_steps
-    done = max_steps is not None and progress["step"] >= max_steps
-    train_seconds, samples_this_run = 0.0, 0  # wall time of training steps, data waits included
-    model.train()
-    with Reporter(out_dir, cfg.train, total_steps=_total_steps(cfg, sources), resumed_step=progress["step"],
-                  append=checkpoint is not None) as reporter:
-        for epoch in range(progress["epoch"], cfg.train.epochs):
-            if done:
-                break
-            skip = progress["batch_in_epoch"] if epoch == progress["epoch"] else 0
-            with PrefetchLoader(sources.train, depth=max(cfg.data.prefetch, 1)) as loader:
-                batches = loader if cfg.data.prefetch else sources.train  # prefetch 0: this thread reads
-                tick = time.perf_counter()
-                for index, batch in enumerate(batches):
-                    if index < skip:  # resuming: these batches were trained before the checkpoint
+    tables = job_tables(cfg)
+    sources = build_sources(cfg.data, cfg.seed, world.rank, world.size, with_best_auc=world.leader)
+    strategy = build_strategy(cfg, tables, world, endpoints)
+    placement = strategy.placement
+    try:
+        model = dense_model(cfg, tables)
+        device = next(model.parameters(), torch.empty(0)).device
+        progress, state = restore(cfg, world, placement, resume, overwrite)
+        dense = strategy.dense(model)
+        if state is not None:
+            dense.load(state)
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        max_steps = cfg.train.max_steps
+        done = max_steps is not None and progress["step"] >= max_steps
+        lockstep = dense.lockstep  # trainers that do not step together run no collective mid-run
+        if not lockstep and world.leader and (cfg.train.eval_every or cfg.train.checkpoint_every):
+            print(f"trainer: dense {strategy.axes['dense']}: train.eval_every / train.checkpoint_every are not used; "
+                  "evaluation and checkpoint happen at the end", flush=True)
+        seconds, samples, staleness = 0.0, 0, []
+        wire = dict.fromkeys(("bytes_sent", "bytes_received", "lost_batches", "dropped_updates",
+                              "unacknowledged_updates"), 0)
+        reporter = contextlib.nullcontext()
+        if world.leader:  # a launcher prefixes log lines, which a progress bar's carriage returns garble
+            reporter = Reporter(cfg.train.output_dir, cfg.train.model_copy(update={"progress": cfg.train.progress
+                                                                                  and not world.grouped}),
+                                total_steps=_total_steps(cfg, sources, world), resumed_step=progress["step"],
+                                append=progress["step"] > 0)
+        model.train()
+        with reporter:
+            for epoch in range(progress["epoch"], cfg.train.epochs):
+                if done:
+                    break
+                skip = progress["next_batch"] if epoch == progress["epoch"] else 0
+                remaining = None if max_steps is None else max_steps - progress["step"]
+                stream = strategy.consistency.open(placement, sources.train, skip, remaining, cfg.data.prefetch)
+                try:
+                    batches, tick = iter(stream), time.perf_counter()
+                    while True:
+                        ready = next(batches, None)
+                        # with AllReduce every trainer takes the same steps: one out of data ends the epoch
+                        if not (world.all_have(ready is not None) if lockstep else ready is not None):
+                            if ready is not None:
+                                stream.skip(ready)
+                            break
+                        batch = ready.batch
+                        dense.begin_step()
+                        inputs = placement.inputs(ready.looked, batch, requires_grad=True)
+                        logits = logits_of(dense.module, inputs, batch, device)
+                        loss = loss_fn(logits, torch.from_numpy(batch.labels).to(device))
+                        loss.backward()  # the local placement applies its embedding updates here
+                        step = progress["step"] + 1
+                        evaluate_now = lockstep and _due(cfg.train.eval_every, step)
+                        save_now = lockstep and _due(cfg.train.checkpoint_every, step)
+                        # no lookup between this update and the evaluation or checkpoint (a lookup
+                        # inserts keys): held before the push, so with sync they are deterministic
+                        with stream.held() if evaluate_now or save_now else contextlib.nullcontext():
+                            stream.push(ready, inputs.gradients())
+                            dense.finish_step()
+                            seconds += time.perf_counter() - tick
+                            samples += batch.batch_size
+                            progress.update(step=step, epoch=epoch, next_batch=ready.index + 1,
+                                            samples=progress["samples"] + batch.batch_size * world.size)
+                            if world.leader:
+                                reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(),
+                                                    batch.labels, batch.batch_size)
+                            if on_step is not None:
+                                on_step(step, model)
+                            if evaluate_now:
+                                stream.drain(drain_seconds(cfg))
+                                world.barrier()
+                                metrics = evaluate(model, placement, sources.test, sources.label_names, world)
+                                if world.leader:
+                                    reporter.eval_result(step, metrics)
+                            if save_now:
+                                stream.drain(drain_seconds(cfg))
+                                save(cfg, world, placement, dense, progress)
+                        if max_steps is not None and step >= max_steps:
+                            done = True
+                            break
                         tick = time.perf_counter()
-                        continue
-                    logits = model(batch)
-                    loss = loss_fn(logits, _labels(batch).to(logits.device))
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()  # also applies the embedding optimizers
-                    optimizer.step()
-                    train_seconds += time.perf_counter() - tick
-                    samples_this_run += batch.batch_size
-                    progress.update(step=progress["step"] + 1, epoch=epoch, batch_in_epoch=index + 1,
-                                    samples=progress["samples"] + batch.batch_size)
-                    step = progress["step"]
-                    reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(), batch.labels,
-                                        batch.batch_size)
-                    if on_step is not None:
-                        on_step(step, model)
-                    if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                        reporter.eval_result(step, evaluate(model, sources.test, sources.label_names))
-                    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                        save_training(out_dir, model, optimizer, progress, cfg, cfg.train.keep_checkpoints)
-                    if max_steps is not None and step >= max_steps:
-                        done = True
-                        break
-                    tick = time.perf_counter()
-            if not done:
-                progress.update(epoch=epoch + 1, batch_in_epoch=0)
-        # checkpoint before the final evaluation: evaluating reads the stores, and a resumed run
-        # must start from the state training left, whatever was evaluated in between
-        save_training(out_dir, model, optimizer, progress, cfg, cfg.train.keep_checkpoints)
-        result = {**evaluate(model, sources.test, sources.label_names),
-                  "step": progress["step"], "samples": progress["samples"],
-                  "train_samples_per_s": samples_this_run / train_seconds if train_seconds else None,
-                  "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(),
-                  "embedding_rows": {c: sum(len(s) for s in col.stores.values())
-                                     for c, col in model.collections().items()}}
-        reporter.final(progress["step"], result)
-    (out_dir / "final_metrics.json").write_text(json.dumps(result, indent=1))
-    return result
+                    stream.drain(drain_seconds(cfg))
+                finally:
+                    stream.close()
+                    staleness.extend(stream.staleness)
+                    for key, value in stream.stats().items():
+                        if key in wire:
+                            wire[key] += value
+                if not done:
+                    progress.update(epoch=epoch + 1, next_batch=0)
+            if world.grouped and progress["step"] == 0:
+                raise ValueError(f"trainer {world.rank} of {world.size}: no training step was taken; some trainer got "
+                                 "no training batch (the rows are dealt to trainers in blocks, so a small data set "
+                                 "may leave one with none): use more rows or fewer trainers")
+            # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
+            # must start from the state training left, whatever was evaluated in between
+            save(cfg, world, placement, dense, progress)
+            metrics = evaluate(model, placement, sources.test, sources.label_names, world)
+            result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire),
+                      "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts()}
+            if world.leader:
+                reporter.final(progress["step"], result)
+                Path(cfg.train.output_dir, "final_metrics.json").write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        strategy.close()
 
 
-def evaluate_checkpoint(cfg: JobConfig, checkpoint) -> dict:
-    """Test metrics of a saved checkpoint (a step-N directory or an output dir's latest)."""
-    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
-    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
-    model = RecModel(cfg, sources.sparse_names, sources.num_dense, sources.num_tasks)
-    model.dense_model.to(resolve_device(cfg.train.device))
+def _run_facts(cfg: JobConfig, world: World, progress: dict, seconds: float, samples: int, staleness: list,
+               wire: dict) -> dict:
+    """Speed, staleness and wire figures of the whole job, from every trainer's own."""
+    facts = world.gather({"samples": samples, "seconds": seconds,
+                          "staleness": [max(staleness, default=0), sum(staleness), len(staleness)], **wire})
+    total = sum(f["samples"] for f in facts)
+    slowest = max(f["seconds"] for f in facts)
+    looked_up = sum(f["staleness"][2] for f in facts)
+    return {"step": progress["step"], "samples": progress["samples"], "strategy": cfg.strategy.record(),
+            "trainers": world.size, "train_samples_per_s": total / slowest if slowest else None,
+            "max_staleness": max(f["staleness"][0] for f in facts),
+            "mean_staleness": sum(f["staleness"][1] for f in facts) / looked_up if looked_up else 0.0,
+            "bytes_per_sample": (sum(f["bytes_sent"] + f["bytes_received"] for f in facts) / total
+                                 if total else None),
+            **{key: sum(f[key] for f in facts) for key in ("lost_batches", "dropped_updates",
+                                                             "unacknowledged_updates")}}
+
+
+def load_local(cfg: JobConfig, checkpoint):
+    """(dense model, local placement, progress) of a local run's checkpoint (a step-N directory
+    or an output dir, whose latest checkpoint is taken)."""
+    from hybridrec.strategy.placement.local import LocalPlacement
+
+    if cfg.strategy.distributed:
+        raise ConfigError(f"hybridrec eval reads checkpoints of local runs; this config's placement is "
+                          f"{cfg.strategy.resolved['placement']!r}, whose tables live on its PS servers")
     path = Path(checkpoint)
     if not (path / "progress.json").is_file():
         found = latest_checkpoint(path)
         if found is None:
             raise FileNotFoundError(f"--checkpoint: {path} holds no training checkpoint")
         path = found
-    progress = load_training(path, model)
-    return {**evaluate(model, sources.test, sources.label_names), "step": progress["step"], "checkpoint": str(path)}
+    tables = job_tables(cfg)
+    model = dense_model(cfg, tables)
+    placement = LocalPlacement(cfg, tables, World())
+    progress = read_progress(path, cfg)
+    model.load_state_dict(read_dense(path)["model"])
+    placement.load(path / "embeddings")
+    return model, placement, {**progress, "checkpoint": str(path)}
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint) -> dict:
+    """Test metrics of a saved checkpoint of a local run."""
+    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
+    sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
+    model, placement, progress = load_local(cfg, checkpoint)
+    return {**evaluate(model, placement, sources.test, sources.label_names, World()), "step": progress["step"],
+            "checkpoint": progress["checkpoint"]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec.train.metrics import auc
+from hybridrec.metrics import auc
 
 _WINDOW = 50  # batches in the running training AUC
 

@@ -5,7 +5,7 @@ each feature sample-major, as in `JaggedFeatures`) and deduplicated in order of 
 appearance (`BatchLayout`). Rows of the unique keys are pooled into bags of (feature, sample)
 with torch ops, one gather and one scatter-add per side over all its tables (`SideIndex`), so
 the pooling is differentiable: the embedding worker pools rows it fetched,
-and an NN worker that receives only the unique rows (the lossless wire mode) pools them itself
+and a trainer that receives only the unique rows (the lossless wire mode) pools them itself
 and gets each unique row's gradient from autograd. `unpool` is the backward pass written out
 for the embedding worker: each ID's gradient is its bag's gradient times the bag's pooling
 scale (1 for sum, 1/n for mean, 1/sqrt(n) for sqrt-n, as `EmbeddingStore.pool` does locally).
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from hybridrec.data.batch import JaggedFeatures
-from hybridrec.ps.client import first_seen_unique
+from hybridrec.embedding.dedupe import first_seen_unique
 
 
 @dataclass(frozen=True)

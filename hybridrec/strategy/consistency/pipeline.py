@@ -1,15 +1,17 @@
-"""Bounded-staleness embedding pipeline of one NN worker (Persia's hybrid algorithm, §3.2).
+"""The threaded embedding stream of one trainer over a remote placement: bounded staleness
+(Persia's hybrid algorithm, §3.2), and with tau = 0 the synchronous discipline.
 
-A feeder thread reads batches, puts their IDs on the embedding worker and pulls their
-embeddings ahead of the dense step; a pusher thread sends the gradients behind it. Between the
+A feeder thread reads batches, prepares them (the embedding-worker route puts their IDs ahead)
+and looks their rows up ahead of the dense step; a pusher thread sends the gradients behind it,
+each thread with its own placement connection. Between the
 lookup of a batch and the update of its embeddings at most `tau` later lookups may be served:
 the lookup of the t-th batch waits until the updates of batches 0 .. t-1-tau were acknowledged
-by the PS. Its staleness — this worker's earlier batches whose updates were not yet applied
+by the PS. Its staleness — this trainer's earlier batches whose updates were not yet applied
 when it was looked up — is measured and is never more than `tau`. `tau = 0` is the synchronous
-discipline: every lookup sees every earlier update of this worker.
+discipline: every lookup sees every earlier update of this trainer.
 
-Other NN workers' updates interleave freely with this worker's (the PS applies pushes as they
-come, without locks across workers), as in Persia.
+Other trainers' updates interleave freely with this one's (the PS applies pushes as they
+come, without locks across trainers), as in Persia.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import numpy as np
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import put_unless_stopped
-from hybridrec.parallel.embedding_client import EmbeddingWorkerClient, Pulled
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
 _END = object()
@@ -33,24 +34,23 @@ _END = object()
 class ReadyBatch:
     """A batch with its embeddings, as the dense step gets it."""
 
-    index: int  # position in this worker's stream of batches (skipped ones count)
+    index: int  # position in this trainer's stream of batches (skipped ones count)
     batch: Batch
-    first_sample_id: int
-    embeddings: Pulled
+    looked: object  # what the placement's lookup returned
     staleness: int
 
 
 class EmbeddingPipeline:
     """Iterate to get ReadyBatch objects; hand each one's gradients back with `push`.
 
-    `make_client` builds a fresh `EmbeddingWorkerClient` (one per thread). `skip` batches at the
+    `connect` makes a fresh placement connection (one per thread). `skip` batches at the
     start of `batches` are read and dropped (resuming mid-epoch). At most `limit` batches are looked
     up (a run's remaining steps): a lookup inserts keys, so one of a batch that will never be trained
     would change what the final evaluation reads. Always `close()` (or use `with`).
     """
 
-    def __init__(self, batches: Iterable[Batch], make_client: Callable[[], EmbeddingWorkerClient],
-                 tau: int, skip: int = 0, limit: int | None = None):
+    def __init__(self, batches: Iterable[Batch], connect: Callable, tau: int, skip: int = 0,
+                 limit: int | None = None):
         if not isinstance(tau, int) or tau < 0:
             raise ValueError(f"tau must be an int >= 0, got {tau!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
@@ -59,8 +59,8 @@ class EmbeddingPipeline:
         self._limit = limit
         self._batches = batches
         self._skip = skip
-        self._feeder_client = make_client()
-        self._pusher_client = make_client()
+        self._feeder_connection = connect()
+        self._pusher_connection = connect()
         self._ready: queue.Queue = queue.Queue(maxsize=tau + 1)
         self._pushes: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
@@ -92,7 +92,7 @@ class EmbeddingPipeline:
         return put_unless_stopped(self._ready, item, self._stop, _POLL)
 
     def _feed(self) -> None:
-        client = self._feeder_client
+        connection = self._feeder_connection
         looked_up = 0
         for index, batch in enumerate(self._batches):
             if self._stop.is_set():
@@ -101,7 +101,7 @@ class EmbeddingPipeline:
                 continue
             if self._limit is not None and looked_up >= self._limit:
                 break
-            first = client.put(batch.sparse)
+            prepared = connection.prepare(batch)
             with self._cond:  # bounded staleness: wait for the updates of batches <= looked_up-1-tau
                 while looked_up - self._acked > self.tau and not self._stop.is_set():
                     self._cond.wait(_POLL)
@@ -109,17 +109,17 @@ class EmbeddingPipeline:
             with self._pull_lock:
                 if self._stop.is_set():
                     return
-                pulled = client.pull(first, train=True)
-            if pulled is None:
+                looked = connection.lookup(prepared, train=True)
+            if looked is None:
                 self.lost_batches += 1
                 continue
             looked_up += 1
-            if not self._offer(ReadyBatch(index, batch, first, pulled, staleness)):
+            if not self._offer(ReadyBatch(index, batch, looked, staleness)):
                 return
         self._offer(_END)
 
     def _push_loop(self) -> None:
-        client = self._pusher_client
+        connection = self._pusher_connection
         while True:
             try:
                 item = self._pushes.get(timeout=_POLL)
@@ -129,9 +129,9 @@ class EmbeddingPipeline:
                 continue
             if item is _END:
                 return
-            first, grads = item
-            if first is not None:
-                reply = client.push(first, grads)
+            looked, grads = item
+            if looked is not None:
+                reply = connection.update(looked, grads)
                 self.lost_batches += bool(reply.get("lost"))
                 self.dropped_updates += int(reply.get("dropped", 0))
                 self.unacknowledged_updates += bool(reply.get("unacknowledged"))
@@ -160,7 +160,7 @@ class EmbeddingPipeline:
     def push(self, ready: ReadyBatch, grads: dict[str, np.ndarray]) -> None:
         """Queue the gradients of `ready`'s pulled parts (sent in order, in the background)."""
         self._raise_if_failed()
-        self._pushes.put((ready.first_sample_id, grads))
+        self._pushes.put((ready.looked, grads))
 
     def skip(self, ready: ReadyBatch) -> None:
         """`ready` will not be trained (e.g. another rank ran out of data): count it as done."""
@@ -188,8 +188,8 @@ class EmbeddingPipeline:
         return {"max_staleness": int(s.max()), "mean_staleness": float(s.mean()),
                 "lost_batches": self.lost_batches, "dropped_updates": self.dropped_updates,
                 "unacknowledged_updates": self.unacknowledged_updates,
-                "bytes_sent": self._feeder_client.bytes_sent + self._pusher_client.bytes_sent,
-                "bytes_received": self._feeder_client.bytes_received + self._pusher_client.bytes_received}
+                "bytes_sent": self._feeder_connection.bytes_sent + self._pusher_connection.bytes_sent,
+                "bytes_received": self._feeder_connection.bytes_received + self._pusher_connection.bytes_received}
 
     def close(self) -> None:
         """Stop both threads (queued updates are sent first) and close the connections."""
@@ -197,8 +197,8 @@ class EmbeddingPipeline:
         self._pusher.join()
         self._stop.set()
         self._feeder.join()
-        self._feeder_client.close()
-        self._pusher_client.close()
+        self._feeder_connection.close()
+        self._pusher_connection.close()
 
     def __enter__(self) -> "EmbeddingPipeline":
         return self

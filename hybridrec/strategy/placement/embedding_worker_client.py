@@ -1,13 +1,12 @@
-"""An NN worker's line to the embedding workers: put a batch's IDs, pull its pooled embeddings,
+"""A trainer's line to the embedding workers: put a batch's IDs, pull its pooled embeddings,
 push their gradients (Persia §4.1 steps 1, 3-4 and 6), counting the payload bytes on the wire.
 
-IDs go to this NN worker's own embedding worker; pulls and pushes go to the embedding worker
+IDs go to this trainer's own embedding worker; pulls and pushes go to the embedding worker
 named by the batch's first sample id (its first byte is that worker's rank). Not thread-safe:
 one client per thread.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -16,18 +15,7 @@ from hybridrec.comm.codec import decode_rows, encode_rows, make_id_codec, make_v
 from hybridrec.comm.transport import Client, Message, check_addresses
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.ps.embedding_worker import worker_of
-
-
-@dataclass
-class Pulled:
-    """What a pull brought back, decoded. `layout` "pooled": parts "deep" [B, F*D] and "wide"
-    [B, F] (as present); "unique": one part per table, the rows of its unique keys in the
-    batch's `BatchLayout` order."""
-
-    layout: str
-    parts: dict[str, np.ndarray]
-    batch_size: int
-    num_features: int
+from hybridrec.strategy.inputs import Pulled
 
 
 class EmbeddingWorkerClient:

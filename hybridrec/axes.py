@@ -1,0 +1,125 @@
+"""The strategy matrix as data: the axes a training strategy is made of, the values each axis
+offers (with the module that implements it), the presets named after the papers, and the
+combinations that cannot work.
+
+This module is a leaf: the config validates `strategy` against it at load time, and the
+`hybridrec.strategy` package builds each axis's implementation from the module named here.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AxisValue:
+    module: str | None  # implementing module under hybridrec.strategy; None: not built yet
+    summary: str
+    issue: int | None = None  # the issue that builds it, while module is None
+
+
+# axis -> value -> implementation. Codecs are the wire formats of hybridrec.comm.codec.
+AXES: dict[str, dict[str, AxisValue]] = {
+    "placement": {
+        "local": AxisValue("placement.local", "in-process stores, one fused native call per phase"),
+        "ps": AxisValue("placement.ps", "remote PS shards, through embedding workers or (none given) directly"),
+        "sharded": AxisValue(None, "every trainer owns a shard of every table; AllToAll", 19),
+        "field_sharded": AxisValue(None, "fields split among trainers (DES)", 22),
+    },
+    "consistency": {
+        "sync": AxisValue("consistency.sync", "a lookup sees every earlier update (staleness 0)"),
+        "bounded": AxisValue("consistency.bounded", "at most strategy.tau updates in flight (Persia's hybrid)"),
+        "het": AxisValue(None, "worker cache with per-embedding clock bound (HET)", 18),
+        "hot_cold": AxisValue(None, "HybridHash hot/cold cache (PICASSO)", 19),
+    },
+    "dense": {
+        "allreduce": AxisValue("dense.allreduce", "DDP AllReduce of dense gradients (plain with one trainer)"),
+        "ps_async": AxisValue("dense.ps_async", "dense parameters on the PS, pushed and pulled without barriers"),
+        "easgd": AxisValue(None, "elastic averaging with a global dense PS (Hierarchical Training)", 20),
+        "groups": AxisValue(None, "Hogwild groups with EASGD between them (Hierarchical Training)", 20),
+        "des": AxisValue(None, "distributed equivalent substitution of the first layers", 22),
+    },
+    "id_codec": {
+        "none": AxisValue("comm.codec", "ID features as they are"),
+        "unique": AxisValue("comm.codec", "unique IDs + uint16 positions; the trainer pools unique rows"),
+    },
+    "value_codec": {
+        "none": AxisValue("comm.codec", "float32 rows and gradients"),
+        "fp16": AxisValue("comm.codec", "fp16 with per-block L-infinity scaling"),
+    },
+}
+
+# preset -> the axis values it expands to; None: the paper is not built yet (issue in PRESET_ISSUES)
+PRESETS: dict[str, dict[str, str] | None] = {
+    "local": {"placement": "local", "consistency": "sync", "dense": "allreduce",
+              "id_codec": "none", "value_codec": "none"},
+    "persia": {"placement": "ps", "consistency": "bounded", "dense": "allreduce",
+               "id_codec": "unique", "value_codec": "none"},
+    "het": None,
+    "picasso": None,
+    "des": None,
+    "ht": None,
+}
+PRESET_ISSUES = {"het": 18, "picasso": 19, "des": 22, "ht": 20}
+DEFAULT_PRESET = "local"
+
+
+class AxisError(ValueError):
+    """A preset, axis value or combination that cannot run; the message says why."""
+
+
+def _hint(value: str, choices) -> str:
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_value(axis: str, value: str) -> None:
+    """AxisError when `value` is not a built value of `axis`."""
+    values = AXES[axis]
+    if value not in values:
+        raise AxisError(f"strategy.{axis}: unknown value {value!r}{_hint(value, values)}; "
+                        f"allowed: {sorted(n for n, v in values.items() if v.module)}")
+    if values[value].module is None:
+        raise AxisError(f"strategy.{axis}: {value!r} ({values[value].summary}) is not built yet "
+                        f"(issue #{values[value].issue})")
+
+
+def resolve(preset: str | None, chosen: dict[str, str | None]) -> dict[str, str]:
+    """The axis values of `preset` (default: local) with those in `chosen` (not None) overriding;
+    AxisError for an unknown or unbuilt preset or value, or a combination that cannot work."""
+    name = DEFAULT_PRESET if preset is None else preset
+    if name not in PRESETS:
+        raise AxisError(f"strategy.preset: unknown preset {name!r}{_hint(name, PRESETS)}; "
+                        f"allowed: {sorted(p for p, v in PRESETS.items() if v)}")
+    if PRESETS[name] is None:
+        raise AxisError(f"strategy.preset: {name!r} is not built yet (issue #{PRESET_ISSUES[name]}); "
+                        f"built: {sorted(p for p, v in PRESETS.items() if v)}")
+    axes = dict(PRESETS[name])
+    for axis, value in chosen.items():
+        if value is not None:
+            check_value(axis, value)
+            axes[axis] = value
+    reason = impossible(axes)
+    if reason:
+        raise AxisError(f"placement={axes['placement']}, consistency={axes['consistency']}, "
+                        f"dense={axes['dense']} cannot work: {reason}")
+    return axes
+
+
+def impossible(axes: dict[str, str]) -> str | None:
+    """Why this combination of axis values cannot run, or None."""
+    placement, consistency, dense = axes["placement"], axes["consistency"], axes["dense"]
+    if placement == "local":
+        if dense == "ps_async":
+            return "ps_async keeps the dense parameters on the PS servers, and the local placement has none"
+        if consistency != "sync":
+            return (f"{consistency} overlaps lookups with training in background threads, which needs a remote "
+                    "placement (ps); the local step looks up inside autograd")
+        if axes["id_codec"] != "none" or axes["value_codec"] != "none":
+            return "wire codecs need a remote placement: the local placement sends nothing over a wire"
+    return None
+
+
+def is_distributed(axes: dict[str, str]) -> bool:
+    """Whether the strategy runs as several processes (PS servers, trainers under torchrun)."""
+    return axes["placement"] != "local"

@@ -1,0 +1,107 @@
+"""One trainer process of a distributed job, as torchrun starts it: joins the process group
+(gloo on CPU, NCCL on GPU) and runs the one training loop (hybridrec.train.loop) as its rank.
+
+Each rank reads its share of the training data; the strategy in the config decides where the
+embeddings live (the addresses given here) and how the dense parameters are synchronised. A
+trainer group that torchrun restarts (--max-restarts) continues from the newest checkpoint.
+Rank 0 writes metrics.jsonl and final_metrics.json.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m hybridrec.parallel.trainer CONFIG \\
+        --ps tcp://127.0.0.1:7001,tcp://127.0.0.1:7002 --embedding-workers tcp://127.0.0.1:7101
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import gc
+import json
+import os
+import signal
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from hybridrec.comm.transport import check_addresses
+from hybridrec.config import load_config
+from hybridrec.train.checkpoint import latest_checkpoint
+from hybridrec.train.loop import train
+
+
+def join_process_group(backend: str) -> None:
+    """`init_process_group` for a worker started by torchrun, in a key space of its own per restart.
+
+    With torchrun's default env:// rendezvous, a worker group restarted after a failure
+    (--max-restarts) failed here to connect its gloo pairs or hung in init (torch 2.13: the same
+    happens with a ten-line script). Joining through the agent's store under a prefix named after
+    the restart count works every time, so that is what trainers do.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)  # not under a torchrun agent: the usual env:// setup
+        return
+    timeout = datetime.timedelta(minutes=10)  # how long a collective may wait for a slow rank
+    world = int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+    store = dist.PrefixStore(f"hybridrec/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridrec.parallel.trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--ps", required=True, help="PS addresses, comma-separated, in shard order")
+    parser.add_argument("--embedding-workers", default="",
+                        help="embedding worker addresses, in rank order (none: talk to the PS servers directly)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    again.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints")
+    args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    try:
+        cfg = load_config(args.config, args.set)
+        ps_addresses = check_addresses([a for a in args.ps.split(",") if a], "--ps")
+        ew_addresses = [a for a in args.embedding_workers.split(",") if a]
+        ew_addresses = check_addresses(ew_addresses, "--embedding-workers") if ew_addresses else []
+    except ValueError as error:  # ConfigError too
+        parser.error(str(error))
+    if not cfg.strategy.distributed:
+        parser.error(f"{args.config}: strategy.placement is 'local'; trainers under torchrun need a remote "
+                     "placement (--set strategy.preset=persia)")
+    # after a failure torchrun restarts the whole group: continue from the newest checkpoint
+    # (none yet: start over, keeping what the PS tables learnt)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and latest_checkpoint(cfg.train.output_dir) is None:
+        args.overwrite, args.resume = True, False
+    elif restarted:
+        args.overwrite, args.resume = False, True
+    backend = "nccl" if torch.cuda.is_available() and cfg.train.device != "cpu" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # DDP warns that the multi-task head's [T, H, 1] weight gets a gradient whose strides differ
+    # from its bucket's in a size-1 dimension: the same memory order, nothing to fix
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    join_process_group(backend)
+    try:
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite,
+                       endpoints={"ps": ps_addresses, "embedding_workers": ew_addresses})
+        if dist.get_rank() == 0:
+            print("final " + json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), flush=True)
+    finally:
+        # DDP's reducer sits in reference cycles: collect it (and the gloo work it holds) while the
+        # interpreter is alive; freed during finalisation, its tensors take the GIL and the process
+        # aborts ("terminate called without an active exception", SIGABRT after a finished job)
+        gc.collect()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the job is done and every file is written and closed: skip interpreter finalisation, where
+    # torch's C++ teardown has aborted finished trainers now and then
+    os._exit(exit_code)

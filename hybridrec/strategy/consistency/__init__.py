@@ -1,0 +1,31 @@
+"""The consistency axis: how stale the embedding rows a step trains on may be.
+
+Each value is a class with `tau` (how many of this trainer's updates may still be in flight when a
+batch is looked up) and `open(placement, batches, skip, limit, prefetch)`, which gives the
+training loop its stream of ready batches: the threaded pipeline when the placement can look up
+off the training thread, the inline stream otherwise. `make_consistency` builds the value named
+by `strategy.consistency` from the module hybridrec.axes names for it.
+"""
+from __future__ import annotations
+
+import importlib
+
+from hybridrec.axes import AXES
+from hybridrec.strategy.consistency.inline import InlineStream
+from hybridrec.strategy.consistency.pipeline import EmbeddingPipeline
+
+
+class Consistency:
+    tau = 0
+
+    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
+        if placement.background_lookups:
+            return EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit)
+        if self.tau:
+            raise ValueError(f"tau={self.tau} needs a placement that looks up off the training thread")
+        return InlineStream(batches, placement.connect, skip=skip, limit=limit, prefetch=prefetch)
+
+
+def make_consistency(name: str, cfg) -> Consistency:
+    module = importlib.import_module(f"hybridrec.strategy.{AXES['consistency'][name].module}")
+    return module.CONSISTENCY(cfg)

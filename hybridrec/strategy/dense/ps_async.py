@@ -1,0 +1,50 @@
+"""Asynchronous dense sync through the PS (the baseline Persia beats): the dense parameters
+live on the PS servers; each step pulls their current values and pushes its own gradients,
+which the PS applies with the dense optimizer as they arrive. No AllReduce and no barrier
+between trainers, so they do not run in lockstep."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridrec.config import ConfigError
+
+
+class ParameterServerDense:
+    lockstep = False
+
+    def __init__(self, model: torch.nn.Module, cfg, world, placement):
+        ps = getattr(placement, "ps", None)
+        if ps is None:
+            raise ConfigError("strategy.dense ps_async needs PS servers (placement ps)")
+        self.model = self.module = model
+        self.ps = ps
+        self.params = dict(model.named_parameters())
+        opt = cfg.train.dense_optimizer
+        initial = {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
+        # every trainer offers its initial values; the PS keeps the first it gets per parameter
+        self._assign(ps.dense_init(initial, {"name": opt.name, "lr": opt.lr, "weight_decay": opt.weight_decay}))
+
+    def _assign(self, values: dict) -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                self.params[name].copy_(torch.from_numpy(np.asarray(value)))
+
+    def begin_step(self) -> None:
+        self._assign(self.ps.dense_pull(list(self.params)))
+        for p in self.params.values():
+            p.grad = None
+
+    def finish_step(self) -> None:
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().numpy()
+                 for name, p in self.params.items()}
+        self.ps.dense_push(grads)
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict()}  # the optimizer state is the PS's (its checkpoint)
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+
+
+DENSE = ParameterServerDense

@@ -1,0 +1,56 @@
+"""The placement axis: where a job's embedding rows live, and how a trainer reads and updates them.
+
+A placement gives the training loop three things:
+  connect()   a `Connection` for one thread: `prepare(batch)` (what may run before the
+              consistency rule allows the lookup, e.g. sending the IDs ahead), `lookup(prepared,
+              train)` (the batch's rows, or None when the rows were lost), `update(looked, grads)`
+              (apply the gradients; returns counts {lost, dropped, unacknowledged}), byte counters
+              and `close()`;
+  inputs()    in the training thread: the dense model's `EmbeddingInputs` for a looked-up batch;
+  save/load   the embedding tables into / from a checkpoint's `embeddings` directory.
+`background_lookups` says whether lookups may run in another thread than the training step
+(remote rows: yes; the local fused lookup runs inside autograd: no). `make_placement` builds the
+value named by `strategy.placement` from the module hybridrec.axes names for it.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+from hybridrec.axes import AXES
+
+
+class Connection(Protocol):
+    bytes_sent: int
+    bytes_received: int
+
+    def prepare(self, batch) -> Any: ...
+
+    def lookup(self, prepared, train: bool) -> Any | None: ...
+
+    def update(self, looked, grads: dict) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class Placement(Protocol):
+    background_lookups: bool
+
+    def connect(self) -> Connection: ...
+
+    def inputs(self, looked, batch, requires_grad: bool): ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def facts(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def make_placement(name: str, cfg, tables, world, endpoints) -> Placement:
+    """The placement `name` for this job; `endpoints` holds the addresses of remote services."""
+    module = importlib.import_module(f"hybridrec.strategy.{AXES['placement'][name].module}")
+    return module.PLACEMENT(cfg, tables, world, endpoints)

@@ -1,0 +1,85 @@
+"""The local placement: every table is an in-process `EmbeddingStore` in the trainer.
+
+The lookup is the collections' fused native call (dedupe, probe, pool for all tables at once)
+inside the forward pass, and the update is applied inside backward (optimizer-in-backward), so a
+connection has nothing to do before or after the step. One trainer only: tables in the process
+are not shared with other processes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+from hybridrec.config import ConfigError
+from hybridrec.embedding import EmbeddingCollection
+from hybridrec.embedding.checkpoint import load as load_store
+from hybridrec.strategy.inputs import EmbeddingInputs
+
+
+class _InProcess:
+    """A connection that hands the batch on: the lookup happens in `LocalPlacement.inputs`."""
+
+    bytes_sent = bytes_received = 0
+
+    def prepare(self, batch):
+        return batch
+
+    def lookup(self, prepared, train: bool):
+        return prepared
+
+    def update(self, looked, grads: dict) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class LocalPlacement:
+    background_lookups = False
+
+    def __init__(self, cfg, tables, world, endpoints=None):
+        if world.size != 1:
+            raise ConfigError(f"strategy.placement local keeps the tables inside one trainer process; this job has "
+                              f"{world.size} trainers (use placement ps for several)")
+        self.names = tables.sparse_names
+        self.collections = {side: EmbeddingCollection(side_tables, mapping)
+                            for side, side_tables, mapping in (("deep", tables.deep, tables.deep_map),
+                                                               ("wide", tables.wide, tables.wide_map))
+                            if side_tables}
+
+    def connect(self) -> _InProcess:
+        return _InProcess()
+
+    def inputs(self, looked, batch, requires_grad: bool) -> EmbeddingInputs:
+        out = {}
+        for side, collection in self.collections.items():
+            collection.train(requires_grad)  # a lookup outside training neither inserts nor updates
+            out[side] = collection.forward_stacked(batch.sparse, self.names)
+        wide = out.get("wide")
+        return EmbeddingInputs(out.get("deep"), None if wide is None else wide.squeeze(-1))
+
+    def _directories(self, root: Path):
+        for side, collection in self.collections.items():
+            for table, store in collection.stores.items():
+                yield collection, table, store, Path(root) / side / table.replace(":", "_")
+
+    def save(self, directory: Path) -> None:
+        for _, _, store, path in self._directories(directory):
+            store.save(path)
+
+    def load(self, directory: Path) -> None:
+        for collection, table, store, path in list(self._directories(directory)):
+            # the running config decides the capacity and threads; the checkpoint the rows
+            collection.replace_store(table, load_store(path, capacity=store.config.capacity,
+                                                       num_threads=store.config.num_threads))
+
+    def facts(self) -> dict:
+        return {"embedding_rows": {side: sum(len(s) for s in c.stores.values())
+                                   for side, c in self.collections.items()}}
+
+    def close(self) -> None:
+        pass
+
+
+PLACEMENT = LocalPlacement
+

@@ -1,0 +1,118 @@
+"""The ps placement: the tables live on standalone PS servers, sharded by the global route hash.
+
+Two routes to them, chosen by whether the job has embedding workers:
+- through the embedding-worker tier (Persia): the trainer puts a batch's IDs on its embedding
+  worker ahead of time, pulls the batch's rows (unique rows with `id_codec: unique`, pooled rows
+  otherwise) and pushes their gradients back; the embedding worker talks to the PS servers;
+- directly (HET's workers talk to the servers): the trainer makes the batch's layout itself
+  (each table's keys deduplicated once), looks the unique keys up on the PS shards, pools them
+  here, and pushes one summed gradient per unique key.
+Checkpoints are written by the servers themselves into the checkpoint's `embeddings` directory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrec.ps.client import PSClient
+from hybridrec.strategy.inputs import EmbeddingInputs, Pulled
+from hybridrec.strategy.placement.embedding_worker_client import EmbeddingWorkerClient
+
+
+class _ThroughEmbeddingWorker:
+    def __init__(self, client: EmbeddingWorkerClient):
+        self.client = client
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.client.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.client.bytes_received
+
+    def prepare(self, batch) -> int:
+        return self.client.put(batch.sparse)
+
+    def lookup(self, first_sample_id: int, train: bool) -> Pulled | None:
+        pulled = self.client.pull(first_sample_id, train=train)
+        if pulled is not None:
+            pulled.handle = first_sample_id
+        return pulled
+
+    def update(self, looked: Pulled, grads: dict) -> dict:
+        return self.client.push(looked.handle, grads)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _Direct:
+    def __init__(self, client: PSClient, tables):
+        self.client, self.tables = client, tables
+        self.bytes_sent = self.bytes_received = 0
+
+    def prepare(self, batch):
+        return self.tables.layout(batch.sparse)
+
+    def lookup(self, layout, train: bool) -> Pulled:
+        keys = {table: layout.unique[table] for table in layout.tables()}
+        rows = self.client.lookup_tables(keys, insert=train)
+        self.bytes_sent += sum(k.nbytes for k in keys.values())
+        self.bytes_received += sum(r.nbytes for r in rows.values())
+        return Pulled("unique", rows, layout.batch_size, layout.num_features, batch_layout=layout)
+
+    def update(self, looked: Pulled, grads: dict) -> dict:
+        layout = looked.batch_layout
+        pairs = {table: (layout.unique[table], grads[table]) for table in layout.tables()}
+        self.bytes_sent += sum(k.nbytes + g.nbytes for k, g in pairs.values())
+        try:
+            return {"dropped": self.client.push_tables(pairs)}
+        except TimeoutError:  # a shard died mid-push: not retried, it may have been applied
+            return {"unacknowledged": True}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PSPlacement:
+    background_lookups = True
+
+    def __init__(self, cfg, tables, world, endpoints):
+        s = cfg.strategy
+        self.cfg, self.tables, self.world = cfg, tables, world
+        self.ps_addresses = list(endpoints["ps"])
+        self.embedding_workers = list(endpoints.get("embedding_workers") or [])
+        self._options = dict(timeout=s.request_timeout, retries=s.retries, value_codec=s.resolved["value_codec"])
+        self.ps = PSClient(self.ps_addresses, **self._options)  # checkpoints and dense parameters
+
+    @property
+    def route(self) -> str:
+        return "embedding_workers" if self.embedding_workers else "direct"
+
+    def connect(self):
+        if not self.embedding_workers:
+            return _Direct(PSClient(self.ps_addresses, **self._options), self.tables)
+        s = self.cfg.strategy
+        # an embedding worker's answer may wait for its own PS retries: give it that long
+        return _ThroughEmbeddingWorker(EmbeddingWorkerClient(
+            self.embedding_workers, self.world.rank % len(self.embedding_workers), id_codec=s.resolved["id_codec"],
+            value_codec=s.resolved["value_codec"], timeout=s.request_timeout * (s.retries + 2), retries=s.retries))
+
+    def inputs(self, looked: Pulled, batch, requires_grad: bool) -> EmbeddingInputs:
+        return EmbeddingInputs.from_pulled(looked, lambda: self.tables.layout(batch.sparse), self.tables.deep_dim,
+                                           requires_grad)
+
+    def save(self, directory: Path) -> None:
+        self.ps.checkpoint(directory)
+
+    def load(self, directory: Path) -> None:
+        self.ps.load(directory)
+
+    def facts(self) -> dict:
+        return {"route": self.route}
+
+    def close(self) -> None:
+        self.ps.close()
+
+
+PLACEMENT = PSPlacement
