@@ -44,8 +44,8 @@ def two_servers(tmp_path):
 
 
 @pytest.fixture
-def local_server():
-    server = serve(tables=TABLES, block=False)
+def local_server(tmp_path):
+    server = serve(tables=TABLES, block=False, checkpoint_root=tmp_path)
     try:
         yield server
     finally:

@@ -13,8 +13,9 @@ ADAM = {"name": "adam", "lr": 0.01, "weight_decay": 0.0}
 
 
 @pytest.fixture
-def two_shards():
-    servers = [serve(tables=TABLES, block=False) for _ in range(2)]
+def two_shards(tmp_path):
+    declared = {**{name: value.shape for name, value in model_params(0).items()}, "other": (3,)}
+    servers = [serve(tables=TABLES, block=False, dense_params=declared, checkpoint_root=tmp_path) for _ in range(2)]
     try:
         yield [s.address for s in servers]
     finally:
@@ -48,7 +49,7 @@ def test_dense_init_keeps_the_first_value_given_per_name(two_shards):
         pulled = b.dense_pull(["mlp.1.bias", "other"])
         assert list(pulled) == ["mlp.1.bias", "other"]
         np.testing.assert_array_equal(pulled["mlp.1.bias"], first["mlp.1.bias"])
-        with pytest.raises(RemoteError, match=r"'mlp.0.bias'.*\(given, held\).*\[3\].*\[16\]"):
+        with pytest.raises(RemoteError, match=r"'mlp.0.bias'.*\(given, declared\).*\[3\].*\[16\]"):
             b.dense_init({"mlp.0.bias": np.ones(3, np.float32)}, ADAM)
         with pytest.raises(RemoteError, match="optimizer.*differs"):
             b.dense_init({"mlp.0.bias": first["mlp.0.bias"]}, {**ADAM, "lr": 0.5})
@@ -97,14 +98,14 @@ def test_bad_dense_pushes_apply_nothing(two_shards):
             for bad, error in [({"mlp.0.weight": np.full((16, 8), np.inf, np.float32)}, "NaN or inf"),
                                ({"mlp.0.weight": np.ones((8, 16), np.float32)}, r"shape.*\[8, 16\].*\[16, 8\]"),
                                ({"mlp.0.weight": np.ones((16, 8), np.float64)}, "float32"),
-                               ({"mlp.0.weight": good["mlp.0.weight"], "unknown": np.ones(2, np.float32)},
-                                r"\['unknown'\] are not initialised")]:
+                               ({"mlp.0.weight": good["mlp.0.weight"], "other": np.ones(3, np.float32)},
+                                r"\['other'\] are not initialised")]:
                 with pytest.raises(RemoteError, match=error):
                     raw.request("dense_push", bad)
             with pytest.raises(RemoteError, match="optimizer 'name' must be one of"):
-                raw.request("dense_init", {"x": np.ones(2, np.float32)}, {"optimizer": {"name": "rmsprop", "lr": 1}})
+                raw.request("dense_init", {"other": np.ones(3, np.float32)}, {"optimizer": {"name": "rmsprop", "lr": 1}})
             with pytest.raises(RemoteError, match="optimizer 'lr' must be a number > 0"):
-                raw.request("dense_init", {"x": np.ones(2, np.float32)}, {"optimizer": {"name": "sgd", "lr": 0}})
+                raw.request("dense_init", {"other": np.ones(3, np.float32)}, {"optimizer": {"name": "sgd", "lr": 0}})
         pulled = client.dense_pull(list(params))
         for name in params:
             np.testing.assert_array_equal(pulled[name], params[name])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
+from hybridrec.comm.auth import JobKey
 from hybridrec.comm.transport import (
     Client, Message, Operation, RemoteError, Server, encode_frames, request_all,
 )
@@ -55,11 +56,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def raw_request(address, frames, timeout_ms=5000):
-    """Send hand-made frames from a bare DEALER and return the parsed reply header."""
+def raw_request(address, frames, timeout_ms=5000, key=None):
+    """Send hand-made frames from a bare DEALER (a CURVE client with `key`) and return the
+    parsed reply header."""
     context = zmq.Context.instance()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    if key is not None:
+        key.secure_client(dealer)
     dealer.connect(address)
     try:
         dealer.send_multipart(frames)
@@ -100,7 +104,7 @@ def test_operation_checks_array_names_and_dtypes(client):
         client.request("nope")
 
 
-@pytest.mark.parametrize("frames, complaint", [
+MALFORMED = [
     ([b"\xff not json"], "not UTF-8 JSON"),
     ([b"[1, 2]"], "JSON object"),
     ([json.dumps({"op": "sum", "id": 1, "arrays": [["keys", "<u8", [10]]]}).encode(),
@@ -112,13 +116,26 @@ def test_operation_checks_array_names_and_dtypes(client):
     ([json.dumps({"op": "sum", "id": 1, "arrays": [["keys", "<u8", [-1]]]}).encode(), b""],
      "dimensions must be ints >= 0"),
     ([json.dumps({"op": 7, "id": 1}).encode()], "'op' must be a string"),
-])
+    ([b"[" * 100_000 + b"]" * 100_000], "nests JSON too deeply"),
+]
+
+
+@pytest.mark.parametrize("frames, complaint", MALFORMED)
 def test_malformed_frames_get_an_error_reply_and_the_server_keeps_serving(server, client,
                                                                           frames, complaint):
     header = raw_request(server.address, frames)
     assert header["ok"] is False
     assert complaint in header["error"]
     assert client.request("sum", {"keys": np.array([4], np.uint64)}).arrays["total"][0] == 4
+
+
+def test_malformed_frames_over_an_authenticated_connection_get_error_replies_too():
+    key = JobKey.new()
+    with Server(OPERATIONS, key=key) as keyed, Client(keyed.address, key=key, timeout=5, retries=0) as client:
+        for frames, complaint in MALFORMED:
+            header = raw_request(keyed.address, frames, key=key)
+            assert header["ok"] is False and complaint in header["error"]
+        assert client.request("sum", {"keys": np.array([4], np.uint64)}).arrays["total"][0] == 4
 
 
 def test_idempotent_request_retries_until_a_late_server_comes_up():

@@ -11,8 +11,12 @@ One message (request or reply) is a ZeroMQ multipart message:
 timeout the socket is dropped and recreated (so a late reply or a queued request can never be
 mistaken for a new one) and idempotent requests are retried. `Server` binds a ROUTER socket
 (127.0.0.1 by default), hands requests over inproc to worker threads that validate and run
-the registered handlers, and stops within a bound. Malformed requests get an error reply that
-says what was wrong, and the server keeps serving.
+the registered handlers, and stops within a bound. Malformed or oversized requests get an error
+reply that says what was wrong (and one rate-limited log line), and the server keeps serving.
+
+Both sides authenticate with the job key (`hybridrec.comm.auth`) when one is configured: a
+server off loopback refuses to start without it, and a client whose handshake is refused gets
+an AuthError at once instead of a timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from hybridrec.comm.auth import FROM_ENVIRONMENT, HOW_TO, AuthError, JobKey, ZapHandler, resolve_key, server_key
+from hybridrec.comm.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,10 @@ WIRE_DTYPES = frozenset(
                  "int64", "uint64", "float16", "float32", "float64")
 )
 MAX_HEADER_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 1 << 30  # a Server's default limit on one request (all frames)
 POLL_MS = 50  # how often idle loops look at their stop flag
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class ProtocolError(ValueError):
@@ -72,7 +83,7 @@ def encode_frames(message: Message, request_id: int, **header_extra: Any) -> lis
                 f"array {name!r} has dtype {array.dtype}, which the wire does not carry; "
                 f"allowed: {sorted(WIRE_DTYPES)}"
             )
-        array = np.ascontiguousarray(array, dtype=wire)
+        array = np.ascontiguousarray(array, dtype=wire).reshape(array.shape)  # 0-d stays 0-d
         descriptors.append([name, wire.str, list(array.shape)])
         buffers.append(array.data if array.size else b"")
     header = {"op": message.op, "id": request_id, "arrays": descriptors, "meta": message.meta}
@@ -93,6 +104,8 @@ def parse_header(frame: zmq.Frame | bytes) -> dict[str, Any]:
         header = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProtocolError(f"header frame is not UTF-8 JSON: {error}") from None
+    except RecursionError:
+        raise ProtocolError("header frame nests JSON too deeply to parse") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
     if not isinstance(header.get("op"), str):
@@ -150,11 +163,14 @@ def check_addresses(addresses, what: str = "addresses") -> list[str]:
     return [check_address(a, f"{what} entry") for a in addresses]
 
 
-def _new_dealer(context: zmq.Context, address: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    return socket
+def _handshake_error(address: str, key: JobKey | None, event: dict[str, Any]) -> AuthError:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        why = "the server refused this client's job key"
+    elif key is None:
+        why = "the server requires the job key and this client has none"
+    else:
+        why = "the handshake failed: the server may use no job key, or another one"
+    return AuthError(f"{address}: {why}; {HOW_TO}")
 
 
 class Client:
@@ -166,15 +182,16 @@ class Client:
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 2,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, key: JobKey | None = FROM_ENVIRONMENT):
         check_address(address)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         self.address, self.timeout, self.retries = address, float(timeout), retries
+        self.key = resolve_key(key)
         self._context = context or zmq.Context.instance()
-        self._socket = _new_dealer(self._context, address)
+        self._connect()
         self._ids = itertools.count(1)
         self._pending: set[int] = set()  # sent on the current socket, reply not yet taken
         self._early: dict[int, tuple[dict[str, Any], list]] = {}  # replies that overtook others
@@ -189,7 +206,8 @@ class Client:
         return request_id
 
     def receive(self, request_id: int, timeout: float | None = None) -> Message:
-        """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time.
+        """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time,
+        AuthError (socket recreated) when the server refuses the handshake.
 
         Replies may arrive in any order (the server runs requests on several threads): a
         reply to another pending request is kept until that one is received.
@@ -203,9 +221,13 @@ class Client:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            if not self._socket.poll(remaining_ms, zmq.POLLIN):
+            ready = dict(self._poller.poll(remaining_ms))
+            if self._socket not in ready:
+                failed = self._monitor in ready
+                error = (_handshake_error(self.address, self.key, recv_monitor_message(self._monitor)) if failed
+                         else TimeoutError(f"no reply from {self.address} within the timeout"))
                 self.reconnect()
-                raise TimeoutError(f"no reply from {self.address} within the timeout")
+                raise error
             frames = self._socket.recv_multipart(copy=False)
             header = parse_header(frames[0])
             if header["id"] == request_id:
@@ -248,14 +270,29 @@ class Client:
                     ) from None
         raise AssertionError("unreachable")
 
+    def _connect(self) -> None:
+        """A DEALER connected to the server (a CURVE client with the job key) and a monitor
+        that reports failed handshakes."""
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if self.key is not None:
+            self.key.secure_client(self._socket)
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._socket.connect(self.address)
+
     def reconnect(self) -> None:
         """Drop the socket (and anything queued on it) and connect a fresh one."""
-        self._socket.close(linger=0)
-        self._socket = _new_dealer(self._context, self.address)
+        self.close()
+        self._connect()
         self._pending.clear()
         self._early.clear()
 
     def close(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
 
     def __enter__(self) -> "Client":
@@ -322,21 +359,29 @@ class Server:
     """A ROUTER front on `host:port` feeding `threads` worker threads that run handlers.
 
     `port=0` picks a free port (see `.port` after `start`). `request_stop()` may be called
-    from a handler: the reply in flight is still delivered.
+    from a handler: the reply in flight is still delivered. `key`: the job key (by default the
+    environment's, see `hybridrec.comm.auth`); off loopback there must be one. A request of more
+    than `max_request_bytes` (all frames) gets an error reply.
     """
 
     def __init__(self, operations: dict[str, Operation], *, host: str = "127.0.0.1",
-                 port: int = 0, threads: int = 2, max_frame_bytes: int = 1 << 30):
+                 port: int = 0, threads: int = 2, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 key: JobKey | None = FROM_ENVIRONMENT):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        if not isinstance(max_request_bytes, int) or max_request_bytes < MAX_HEADER_BYTES:
+            raise ValueError(f"max_request_bytes must be an int >= {MAX_HEADER_BYTES}, got {max_request_bytes!r}")
         self.operations = dict(operations)
         self.host, self.port, self.threads = host, port, threads
-        self.max_frame_bytes = max_frame_bytes
+        self.max_request_bytes = max_request_bytes
+        self.key = server_key(host, key)
+        self._bad_requests = RateLimitedLog(log)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._context: zmq.Context | None = None
+        self._zap: ZapHandler | None = None
         self._workers: list[threading.Thread] = []
         self._proxy: threading.Thread | None = None
 
@@ -349,15 +394,18 @@ class Server:
         self._context = zmq.Context()
         front = self._context.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 1000)  # let the last replies out on stop
-        front.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        front.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes)  # one frame; the total is checked per request
         try:
+            if self.key is not None:
+                self._zap = ZapHandler(self._context, self.key)
+                self.key.secure_server(front)
             if self.port:
                 front.bind(f"tcp://{self.host}:{self.port}")
             else:
                 self.port = front.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError:
             front.close(linger=0)
-            self._context.term()
+            self._terminate()
             raise
         back = self._context.socket(zmq.DEALER)
         back.setsockopt(zmq.LINGER, 0)
@@ -414,6 +462,10 @@ class Server:
         try:
             header = parse_header(frames[0])
             op, request_id = header["op"], header["id"]
+            size = sum(len(_frame_bytes(frame)) for frame in frames)
+            if size > self.max_request_bytes:
+                raise ProtocolError(f"request of {size} bytes is larger than this server's limit of "
+                                    f"{self.max_request_bytes} bytes; send fewer keys or arrays per request")
             operation = self.operations.get(op)
             if operation is None:
                 raise ProtocolError(f"unknown op {op!r}; this server knows {sorted(self.operations)}")
@@ -422,7 +474,10 @@ class Server:
             reply = operation.handler(request)
             return encode_frames(reply, request_id, ok=True)
         except Exception as error:  # a bad request must never take the server down
-            if not isinstance(error, (ValueError, TypeError, KeyError)):
+            if isinstance(error, (ValueError, TypeError, KeyError)):  # the request's fault: one line
+                self._bad_requests.warning("refused a bad request (op %.64r): %s: %.300s", op, type(error).__name__,
+                                           " ".join(str(error).split()))
+            else:
                 log.exception("op %s failed", op)
             kind = type(error).__name__
             return encode_frames(Message(op), request_id, ok=False, kind=kind, error=str(error))
@@ -440,13 +495,21 @@ class Server:
         for thread in [*self._workers, *([self._proxy] if self._proxy else [])]:
             thread.join(max(0.0, deadline - time.monotonic()))
         finished = self._stopped.is_set() and not any(t.is_alive() for t in self._workers)
-        if finished and self._context is not None:
-            self._context.term()
-            self._context = None
-        elif not finished:
+        if finished:
+            self._terminate()
+        else:
             log.warning("server on %s: threads still busy after %.1fs; left as daemons",
                         self.address, timeout)
         return finished
+
+    def _terminate(self) -> None:
+        """End the ZAP handler, then the context (every other socket of it is closed)."""
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (e.g. after a shutdown request)."""

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from numba import njit
 
+from hybridrec.comm.auth import FROM_ENVIRONMENT
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, check_addresses, request_all
 from hybridrec.embedding import route
@@ -124,17 +125,19 @@ class _Fanout:
 
 
 class PSClient:
-    """One logical embedding service over `addresses` (shard i = addresses[i])."""
+    """One logical embedding service over `addresses` (shard i = addresses[i]); `key`: the job
+    key (`hybridrec.comm.auth`), by default the environment's."""
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0, retries: int = 2,
-                 value_codec: str = "none", max_keys_per_request: int = 16384, **codec_options: Any):
+                 value_codec: str = "none", max_keys_per_request: int = 16384, key=FROM_ENVIRONMENT,
+                 **codec_options: Any):
         addresses = check_addresses(addresses)
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         self.addresses = list(addresses)
         self.max_keys_per_request = max_keys_per_request
         self.codec = make_value_codec(value_codec, **codec_options)
-        self._clients = [Client(a, timeout=timeout, retries=retries) for a in self.addresses]
+        self._clients = [Client(a, timeout=timeout, retries=retries, key=key) for a in self.addresses]
         self._dims: dict[str, int] = {}
 
     @property

@@ -4,7 +4,9 @@ When NN workers do not AllReduce, every worker pushes its dense gradients to the
 the current values back. A `DenseStore` holds named float32 tensors and one torch optimizer
 (adam, adagrad or sgd with lr and weight_decay) per tensor; every init, pull, push, save and
 load runs under one lock, so concurrent requests see whole steps. The first value given for a
-name wins (every worker initialises the same model; only one initialisation may count).
+name wins (every worker initialises the same model; only one initialisation may count). Only
+the parameters the store was declared with (the job's dense model: names and shapes) may be
+initialised or loaded, so no client can make it hold more than that model.
 
 A checkpoint is a directory with `meta.json` (optimizer, version, names, state keys),
 `params.npz` and `state.npz` (the optimizer state of each tensor, keyed by position).
@@ -16,7 +18,7 @@ import json
 import math
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -61,10 +63,18 @@ def check_tensors(arrays: Mapping[str, Any], what: str) -> dict[str, np.ndarray]
     return checked
 
 
-class DenseStore:
-    """Named float32 tensors, each with its own torch optimizer, behind one lock."""
+def _some(names: Iterable[str], most: int = 8) -> str:
+    names = sorted(names)
+    return str(names[:most])[:-1] + (f", ... ({len(names)} in all)]" if len(names) > most else "]")
 
-    def __init__(self) -> None:
+
+class DenseStore:
+    """Named float32 tensors, each with its own torch optimizer, behind one lock.
+
+    `declared`: name -> shape of every parameter the store may hold (none by default)."""
+
+    def __init__(self, declared: Mapping[str, Sequence[int]] | None = None) -> None:
+        self.declared = {name: tuple(int(n) for n in shape) for name, shape in (declared or {}).items()}
         self._lock = threading.Lock()
         self._params: dict[str, torch.Tensor] = {}
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -77,6 +87,19 @@ class DenseStore:
     def shapes(self) -> dict[str, list[int]]:
         with self._lock:
             return {name: list(p.shape) for name, p in self._params.items()}
+
+    def check_declared(self, shapes: Mapping[str, Sequence[int]], what: str) -> None:
+        """ValueError unless every name of `shapes` is declared with that shape."""
+        undeclared = [name for name in shapes if name not in self.declared]
+        if undeclared:
+            known = (f"its {len(self.declared)} params are {_some(self.declared)}" if self.declared else
+                     "this server declares none (it is started with the job's --config for that)")
+            raise ValueError(f"{what} {_some(undeclared)} are not parameters of this job's dense model; {known}")
+        wrong = {name: (list(shape), list(self.declared[name])) for name, shape in shapes.items()
+                 if tuple(shape) != self.declared[name]}
+        if wrong:
+            raise ValueError(f"{what} {_some(wrong)} do not have the shapes of this job's dense model "
+                             f"(given, declared): {dict(list(wrong.items())[:8])}")
 
     def _add(self, name: str, value: np.ndarray) -> None:
         param = torch.nn.Parameter(torch.tensor(value, dtype=torch.float32), requires_grad=True)
@@ -92,15 +115,11 @@ class DenseStore:
         """
         values = check_tensors(values, "params")
         config = check_optimizer(optimizer)
+        self.check_declared({name: value.shape for name, value in values.items()}, "params")
         with self._lock:
             if self.optimizer is not None and config != self.optimizer:
                 raise ValueError(f"optimizer {config} differs from the one the dense store was "
                                  f"initialised with, {self.optimizer}")
-            clash = {n: (list(v.shape), list(self._params[n].shape)) for n, v in values.items()
-                     if n in self._params and tuple(v.shape) != tuple(self._params[n].shape)}
-            if clash:
-                raise ValueError(f"params {sorted(clash)} have other shapes than the ones held "
-                                 f"(given, held): {clash}")
             self.optimizer = config
             for name, value in values.items():
                 if name not in self._params:
@@ -162,10 +181,11 @@ class DenseStore:
             (directory / META_FILE).write_text(json.dumps(meta))
 
     @classmethod
-    def load(cls, directory: str | Path) -> "DenseStore":
-        """The store `save(directory)` wrote; an empty store when `directory` holds none."""
+    def load(cls, directory: str | Path, declared: Mapping[str, Sequence[int]] | None = None) -> "DenseStore":
+        """The store `save(directory)` wrote; an empty store when `directory` holds none. Each
+        saved parameter must be one of `declared` (name -> shape), with its shape."""
         directory = Path(directory)
-        store = cls()
+        store = cls(declared)
         if not (directory / META_FILE).is_file():
             return store
         try:
@@ -173,7 +193,9 @@ class DenseStore:
             store.optimizer = check_optimizer(meta["optimizer"])
             store.version = int(meta["version"])
             with np.load(directory / PARAMS_FILE) as params, np.load(directory / STATE_FILE) as state:
-                for i, (name, keys) in enumerate(zip(meta["names"], meta["state_keys"], strict=True)):
+                names = [str(name) for name in meta["names"]]
+                store.check_declared({name: params[str(i)].shape for i, name in enumerate(names)}, "saved params")
+                for i, (name, keys) in enumerate(zip(names, meta["state_keys"], strict=True)):
                     store._add(name, params[str(i)].astype(np.float32))
                     if keys:
                         optimizer = store._optimizers[name]

@@ -25,15 +25,25 @@ Operations (see `hybridrec.comm.transport` for the wire format):
               the dense params by directory/dense (none there: no dense params)
   shutdown    stop after replying
 
+Limits: a request carries at most `max_keys_per_request` keys (all its tables together) and
+its frames at most what that many rows, or the job's whole dense model, take; `dense_init`
+takes only the job's dense parameters, with their shapes (`dense_params`, derived from
+`--config`). `checkpoint` and `load` directories lie inside the server's `checkpoint_root`:
+a relative one is taken from there, an absolute one must resolve (symlinks too) inside it, and
+a checkpoint goes only to a directory that is new or empty, so it never replaces or deletes
+files it did not write. A server without a root refuses both.
+
 Run one with `python -m hybridrec.ps.server --port 7001 --table user:16:1000000` (or
-`--config job.yaml [--set KEY=VALUE ...]` for every table of a job) or call `serve(...)`
-(the `hybridrec serve-ps` command does).
+`--config job.yaml [--set KEY=VALUE ...]` for every table and dense parameter of a job) or call
+`serve(...)` (the `hybridrec serve-ps` command does). Off loopback a server needs the job key
+(`hybridrec.comm.auth`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import select
 import signal
@@ -46,8 +56,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from hybridrec.comm.auth import FROM_ENVIRONMENT, AuthError, JobKey, server_key
 from hybridrec.comm.codec import Encoded, make_value_codec
-from hybridrec.comm.transport import Message, Operation, Server, Service
+from hybridrec.comm.transport import MAX_HEADER_BYTES, Message, Operation, Server, Service
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
@@ -57,6 +68,7 @@ from hybridrec.ps.dense import DenseStore
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
 LISTENING = " listening on "  # what `main` prints, with the address, once it serves
 DENSE_DIRECTORY = "dense"  # inside a checkpoint directory; no table may be called so
+MAX_KEYS_PER_REQUEST = 1 << 16  # 4x what a PSClient sends by default
 
 
 def _table_config(name: str, spec: TableConfig | Mapping[str, Any]) -> TableConfig:
@@ -98,13 +110,32 @@ def open_stores(tables: Mapping[str, TableSpec], shm_prefix: str | None = None) 
     return stores
 
 
+def request_bytes_limit(stores: Mapping[str, EmbeddingStore], dense_params: Mapping[str, Sequence[int]],
+                        max_keys: int) -> int:
+    """The most bytes a good request takes: `max_keys` keys with float32 rows of the widest
+    table, or every dense parameter, plus a header."""
+    widest = max(store.dim for store in stores.values())
+    dense = sum(4 * math.prod(shape) for shape in dense_params.values())
+    return MAX_HEADER_BYTES + max(max_keys * (8 + 4 * widest), dense)
+
+
 class EmbeddingServer(Service):
-    """The stores of one shard behind a `transport.Server`; `start()` then `wait()`/`stop()`."""
+    """The stores of one shard behind a `transport.Server`; `start()` then `wait()`/`stop()`.
+
+    `dense_params`: name -> shape of the job's dense parameters (the only ones `dense_init`
+    takes); `checkpoint_root`: the directory inside which checkpoints are written and loaded
+    (None: refused); `key`: the job key (`hybridrec.comm.auth`)."""
 
     def __init__(self, stores: dict[str, EmbeddingStore], *, host: str = "127.0.0.1",
-                 port: int = 0, threads: int = 2, max_frame_bytes: int = 1 << 30):
+                 port: int = 0, threads: int = 2, dense_params: Mapping[str, Sequence[int]] | None = None,
+                 checkpoint_root: str | Path | None = None, max_keys_per_request: int = MAX_KEYS_PER_REQUEST,
+                 key: JobKey | None = FROM_ENVIRONMENT):
+        if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
+            raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         self.stores = dict(stores)
-        self.dense = DenseStore()
+        self.dense = DenseStore(dense_params)
+        self.max_keys_per_request = max_keys_per_request
+        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root).resolve()
         self._swap = threading.Lock()  # guards replacing stores on `load`
         operations = {
             "ping": Operation(self._ping),
@@ -120,8 +151,9 @@ class EmbeddingServer(Service):
             "load": Operation(self._load),
             "shutdown": Operation(self._shutdown),
         }
-        self.transport = Server(operations, host=host, port=port, threads=threads,
-                                max_frame_bytes=max_frame_bytes)
+        limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
+        self.transport = Server(operations, host=host, port=port, threads=threads, max_request_bytes=limit,
+                                key=key)
 
     def _release(self) -> None:
         for store in self.stores.values():
@@ -159,14 +191,21 @@ class EmbeddingServer(Service):
             raise ValueError(f"meta 'insert' must be true or false, got {insert!r}")
         return insert
 
-    @staticmethod
-    def _many_keys(arrays: dict[str, np.ndarray], count: int) -> list[np.ndarray]:
+    def _count_keys(self, keys: Sequence[np.ndarray]) -> None:
+        """ValueError when a request's keys (all its tables together) are more than allowed."""
+        count = sum(len(k) for k in keys)
+        if count > self.max_keys_per_request:
+            raise ValueError(f"the request carries {count} keys; this server takes at most "
+                             f"{self.max_keys_per_request} per request (PSClient max_keys_per_request)")
+
+    def _many_keys(self, arrays: dict[str, np.ndarray], count: int) -> list[np.ndarray]:
         """keys.0 .. keys.<count-1>, each a 1-D uint64 array; removed from `arrays`."""
         keys = []
         for i in range(count):
             if f"keys.{i}" not in arrays:
                 raise ValueError(f"array 'keys.{i}' is missing (one per table of meta 'tables')")
             keys.append(check_keys(arrays.pop(f"keys.{i}"), f"array 'keys.{i}'"))
+        self._count_keys(keys)
         return keys
 
     @staticmethod
@@ -182,6 +221,7 @@ class EmbeddingServer(Service):
         _, store = self._store(request.meta)
         insert = self._insert(request.meta)
         codec = make_value_codec(request.meta.get("codec", "none"))
+        self._count_keys([request.arrays["keys"]])
         encoded = codec.encode(store.pull(np.ascontiguousarray(request.arrays["keys"]), insert=insert))
         return Message("lookup", encoded.arrays, {"codec": codec.name, "codec_meta": encoded.meta})
 
@@ -191,6 +231,7 @@ class EmbeddingServer(Service):
         keys = arrays.pop("keys", None)
         if keys is None or keys.dtype != np.uint64:
             raise ValueError("push needs a uint64 array 'keys'")
+        self._count_keys([keys])
         codec = make_value_codec(request.meta.get("codec", "none"))
         grads = self._grads(store, keys, codec, arrays, request.meta.get("codec_meta", {}), f"table {table!r}")
         return Message("push", meta={"dropped": int(store.push(np.ascontiguousarray(keys), grads))})
@@ -249,16 +290,28 @@ class EmbeddingServer(Service):
                                       "tables": {n: s.stats() for n, s in stores.items()},
                                       "dense": {"params": dense.shapes(), "version": dense.version}})
 
-    @staticmethod
-    def _directory(meta: dict[str, Any]) -> Path:
+    def _directory(self, meta: dict[str, Any]) -> Path:
+        """meta 'directory' resolved inside the checkpoint root (relative paths start there)."""
         directory = meta.get("directory")
-        if not isinstance(directory, str) or not directory:
+        if not isinstance(directory, str) or not directory or "\0" in directory:
             raise ValueError(f"meta 'directory' must be a non-empty path string, got {directory!r}")
-        return Path(directory)
+        root = self.checkpoint_root
+        if root is None:
+            raise ValueError("this server has no checkpoint root, so it refuses checkpoint and load requests; "
+                             "start it with --checkpoint-root DIR (hybridrec launch gives train.output_dir)")
+        resolved = (root / directory).resolve()  # an absolute `directory` replaces the root here
+        if not resolved.is_relative_to(root):
+            raise ValueError(f"meta 'directory' {directory!r} resolves to {str(resolved)!r}, outside this "
+                             f"server's checkpoint root {str(root)!r}; give a path inside it")
+        return resolved
 
     def _checkpoint(self, request: Message) -> Message:
         directory = self._directory(request.meta)
         with self._swap:
+            if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+                raise ValueError(f"meta 'directory' {str(directory)!r} already exists and is not an empty "
+                                 f"directory; a checkpoint goes to a new or empty one")
+            directory.mkdir(parents=True, exist_ok=True)
             for name, store in self.stores.items():
                 store.save(directory / name)
             self.dense.save(directory / DENSE_DIRECTORY)
@@ -271,7 +324,7 @@ class EmbeddingServer(Service):
             raise ValueError(f"meta 'directory' {str(directory)!r} has no checkpoint of tables {missing}")
         # Read (and checksum) every table before replacing any, so a bad checkpoint changes nothing.
         loaded = {name: EmbeddingStore.load(directory / name) for name in self.stores}
-        dense = DenseStore.load(directory / DENSE_DIRECTORY)
+        dense = DenseStore.load(directory / DENSE_DIRECTORY, self.dense.declared)
         with self._swap:
             self.dense = dense
             for name, old in list(self.stores.items()):
@@ -290,15 +343,18 @@ class EmbeddingServer(Service):
 
 def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec] | None = None,
           shm_prefix: str | None = None, threads: int = 2, *, block: bool = True,
-          max_frame_bytes: int = 1 << 30) -> EmbeddingServer:
+          key: JobKey | None = FROM_ENVIRONMENT, **limits: Any) -> EmbeddingServer:
     """Serve `tables` (name -> TableConfig / dict of its fields / EmbeddingStore) on host:port.
 
     `port=0` picks a free port (read it from the returned server's `.address`). With
     `block=True` this returns only after a `shutdown` request, SIGTERM or Ctrl-C, with the
-    server stopped; with `block=False` it returns the running server at once.
+    server stopped; with `block=False` it returns the running server at once. `limits`:
+    `dense_params`, `checkpoint_root`, `max_keys_per_request` of `EmbeddingServer`. The job key
+    is checked (AuthError off loopback without one) before any table is opened.
     """
+    key = server_key(host, key)
     server = EmbeddingServer(open_stores(tables or {}, shm_prefix), host=host, port=port,
-                             threads=threads, max_frame_bytes=max_frame_bytes)
+                             threads=threads, key=key, **limits)
     server.start()
     if block:
         run_until_stopped(server)
@@ -351,15 +407,22 @@ def _parse_table(text: str) -> tuple[str, dict[str, Any]]:
     return parts[0], {"dim": int(parts[1]), "capacity": int(parts[2])}
 
 
-def _config_tables(parser: argparse.ArgumentParser, path: str, sets: list[str]) -> dict[str, TableConfig]:
-    """Every table of the job config at `path` (with `--set` overrides), as the trainer derives them."""
+def _config_job(parser: argparse.ArgumentParser, path: str,
+                sets: list[str]) -> tuple[dict[str, TableConfig], dict[str, tuple[int, ...]]]:
+    """Every table and the dense parameters' shapes of the job config at `path` (with `--set`
+    overrides), as the trainers derive them."""
     from hybridrec.config import ConfigError, load_config
-    from hybridrec.job.tables import job_tables  # imports the models: only when asked
+    from hybridrec.parallel.tables import job_tables  # imports the models: only when asked
+    from hybridrec.models import build_model
 
     try:
-        return job_tables(load_config(path, sets)).all_tables()
-    except ConfigError as error:
+        cfg = load_config(path, sets)
+        tables, m = job_tables(cfg), cfg.model
+        model = build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
+                            num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)
+    except (ConfigError, ValueError) as error:
         parser.error(f"--config {path}: {error}")
+    return tables.all_tables(), {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.server") -> int:
@@ -378,10 +441,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed of --table tables")
     parser.add_argument("--shm-name", dest="shm_prefix", help="keep tables in named shared memory")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--checkpoint-root", metavar="DIR",
+                        help="checkpoint and load requests may only name directories inside DIR "
+                             "(without it they are refused)")
+    parser.add_argument("--max-keys-per-request", type=int, default=MAX_KEYS_PER_REQUEST, metavar="N",
+                        help=f"refuse requests with more keys (default {MAX_KEYS_PER_REQUEST})")
     args = parser.parse_args(argv)
     if args.sets and not args.config:
         parser.error("--set overrides values of --config; give --config PATH too")
-    tables: dict[str, Any] = _config_tables(parser, args.config, args.sets) if args.config else {}
+    try:
+        key = server_key(args.host)  # before anything is opened: off loopback the job key is needed
+    except AuthError as error:
+        parser.error(f"--host: {error}")
+    tables: dict[str, Any] = {}
+    dense_params: dict[str, tuple[int, ...]] = {}
+    if args.config:
+        tables, dense_params = _config_job(parser, args.config, args.sets)
     given = [json.loads(args.tables_json) if args.tables_json else {}]
     for name, fields in args.table:
         optimizer = {"name": args.optimizer, **({} if args.lr is None else {"lr": args.lr})}
@@ -396,7 +471,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     # Requests run in parallel on --threads workers; torch's own pool (used by the fp16 codec)
     # would only oversubscribe the cores, so it gets one thread per worker.
     torch.set_num_threads(1)
-    server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False)
+    try:
+        server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False, key=key,
+                       dense_params=dense_params, checkpoint_root=args.checkpoint_root,
+                       max_keys_per_request=args.max_keys_per_request)
+    except ValueError as error:
+        parser.error(str(error))
     run_until_stopped(server, on_ready=lambda: print(
         f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True))
     return 0
