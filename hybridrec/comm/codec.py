@@ -18,7 +18,7 @@ is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transp
 ID work and the fp16 casts run in numba kernels over numpy arrays: no torch op (they run in the
 NN worker's feeder and pusher threads) and no Python loop per ID, row or value. The fp16 kernels
 round float32 to float16 bits themselves, to nearest even with subnormals, exactly as a cast
-does (numpy's float16 casts are several times slower).
+does (numpy's float16 casts are slower).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _UNDECIDED = object()  # _group_for: these feature names were not asked for yet
 class _StoreLocks:
     """Holds every store's lock, taken in one fixed order, while a group kernel mutates them.
     Plain acquire/release over a list made once, with no generator frames around them (an
-    ExitStack of 26 locks cost ~20 us per call, twice per step). A lock that several stores
+    ExitStack would add one per lock, twice per step). A lock that several stores
     share is taken once: the stores a collection creates, or is given by `replace_store`, share
     one (`share_lock`)."""
 
@@ -82,7 +82,7 @@ class _TableGroup:
     per phase (group_kernels.py). Holds the stores' arrays as one address table, made once: a
     store keeps its arrays for life (its index grows inside a full-size array). Scratch arrays that
     live only inside one kernel call (the unique rows' gradient, each key's row) are kept between
-    calls (`_scratch`): allocated anew each step, their megabytes were page-faulted in again
+    calls (`_scratch`): allocated anew each step, their megabytes would be page-faulted in again
     every time. The pooled output array is reused too once nothing refers to it any more
     (`_output`)."""
 
@@ -120,7 +120,7 @@ class _TableGroup:
         """The [bsz, tables, dim] array to pool into, 64-byte aligned (a 64-byte row is one line):
         the one handed out last time when nothing refers to it any more (the tensor made from it,
         and every view of that, are gone; CPython's reference count says so exactly), else a new
-        one. Allocating it each step cost ~85 us with the caches cold, reusing it ~7."""
+        one: a new array each step means fresh pages, faulted in while the caches are cold."""
         if (self._last_output is None or sys.getrefcount(self._last_output) != 2  # this attribute, the argument
                 or self._last_output.shape != (bsz, len(self.stores), dim)):
             self._last_output = aligned_empty((bsz, len(self.stores), dim), np.float32, CACHE_LINE)
@@ -191,8 +191,8 @@ class _GroupPass:
 class _FusedEmbeddingFunction(torch.autograd.Function):
     """Outputs are computed before, as numpy arrays, and become tensors here; backward hands
     their gradient to the stores' optimizers. (Made outside and passed in, a tensor that forward
-    returns is an input, which autograd then wraps as a view of itself: ~40 us more per call
-    with the caches cold, and ~20 us more in backward.)"""
+    returns would be an input, which autograd then wraps as a view of itself, at a cost in forward
+    and again in backward.)"""
 
     @staticmethod
     def forward(ctx, anchor, passes, *outputs):
@@ -278,7 +278,7 @@ class EmbeddingCollection(torch.nn.Module):
     def _positions(self, features, names: tuple):
         """Validates the batch; returns its batch size and the position of each requested feature
         among the batch's features (int64 array, in the order of `names`). Written for few Python
-        operations: each costs ~10x its warm time right after the kernels have swept the caches."""
+        operations: each is slow right after the kernels have swept the caches."""
         # the exact-type test is the cheap one; anything else (an np.memmap too) gets the full check,
         # which raises naming what is wrong or lets an ndarray subclass of the right kind through
         values = features.values

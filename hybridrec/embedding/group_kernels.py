@@ -9,9 +9,9 @@ table (table_arrays.py); table t serves the feature at positions[t] of the batch
 (feature-major, so contiguous) are the segment [spans[SPAN_LO, t], spans[SPAN_HI, t]) and whose
 samples' offsets start at spans[SPAN_BASE, t]; its unique rows occupy
 uniq_rows[spans[SPAN_LO, t] : spans[SPAN_LO, t] + nuniq[t]]. The forward kernel works the spans out
-from the offsets (a few numpy index operations per step in Python before, ~35 us with the caches
-cold) and the backward kernel reads them back. The probe, the pooling and the
-update are the per-table kernels of kernels.py, so both paths compute the same values.
+from the offsets, so no numpy index operations run in Python per step, and the backward kernel
+reads them back. The probe, the pooling and the update are the per-table kernels of kernels.py,
+so both paths compute the same values.
 """
 import numpy as np
 from numba import njit, prange
@@ -20,7 +20,9 @@ from . import kernels as K
 from .cache_hints import prefetch_cell
 from .table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
 
-GRAD_AHEAD = 32  # samples ahead whose gradient line the backward scatter prefetches (16: ~1.5% slower step)
+# samples ahead whose gradient line the backward scatter prefetches: far enough ahead that the
+# strided lines arrive in time
+GRAD_AHEAD = 32
 NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch restart first
 SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys, first sample offset
 
@@ -29,12 +31,12 @@ SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys
 def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg, fcfg, seeds, pool_modes, mode,
                        rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out):
     """Fill `spans` [3, tables] from the offsets, probe every table's segment, then pool it
-    into out[:, t, :]. Returns 0, or t + 1 for the
-    first table t that ran out of evictable rows, or
-    NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in a
-    mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
-    the index or restarts the epoch (store.make_index_room, store.restart_epoch_count_if_due) and calls again. These
-    checks ran as Python per table and step before; here they cost a few ns."""
+    into out[:, t, :]. Returns 0, or t + 1 for the first table t that ran out of evictable rows,
+    or NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in
+    a mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
+    the index or restarts the epoch count (store.make_index_room,
+    store.restart_epoch_count_if_due) and calls again. Checked here, these conditions cost no
+    Python per table and step."""
     ntab = positions.shape[0]
     for t in range(ntab):
         base = positions[t] * batch_size
@@ -92,8 +94,7 @@ def backward_tables(grad, inverse, spans, sample_offsets, batch_size, tables, un
     # streamed the gradient but scattered over every table's unique rows at once (megabytes).
     # No zeroing pass: a table's unique rows are numbered in the order their keys first appear
     # (lookup_pool_tables), which is the order this loop meets them, so the first sighting of
-    # each writes its row and later ones add. Clearing them first (a memset) and adding every
-    # time cost 15% more here.
+    # each writes its row and later ones add, which saves clearing them first (a memset).
     covered = np.empty(ntab, np.int64)
     for tp in prange(ntab):
         t = np.int64(tp)

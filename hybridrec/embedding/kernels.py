@@ -16,10 +16,10 @@ p owns a range of rows, a range of index slots, and its own LRU list; its bookke
 row parts[p].
 
 The LRU list is kept only once a partition has been full. Until then nothing is evicted, so
-nobody reads the list, and keeping it in order cost 6-7 ns per lookup (unlinking a touched row
-reads and writes the metadata of two random neighbours). When the partition first needs a victim,
-`link_lru_from_stamps` builds the list from the rows' (stamp, slot), which is exactly the order
-the kept list would have, and from then on every use relinks as before.
+nobody reads the list, and keeping it in order would cost every lookup two random accesses
+(unlinking a touched row reads and writes the metadata of its two neighbours). When the partition
+first needs a victim, `link_lru_from_stamps` builds the list from the rows' (stamp, slot), which is
+exactly the order the kept list would have, and from then on every use relinks.
 """
 import numpy as np
 from numba import njit, prange
@@ -99,8 +99,8 @@ def offsets_problem(offsets, n_values):
     """What is wrong with a batch's jagged offsets, in one call: -1 when they start at 0, end at
     n_values and never decrease; OFFSETS_ENDS_WRONG when an end is off; else the index i of the
     first offsets[i+1] < offsets[i]. A branch-free pass decides whether there is a decrease (LLVM
-    vectorises it; stopping at the first decrease kept the loop scalar, 1 ns per offset), and
-    only then a second pass finds it. `offsets` must not be empty."""
+    vectorises it; a loop that stops at the first decrease stays scalar), and only then a second
+    pass finds it. `offsets` must not be empty."""
     n = offsets.shape[0] - 1
     if offsets[0] != 0 or offsets[n] != n_values:
         return OFFSETS_ENDS_WRONG
@@ -118,9 +118,8 @@ def offsets_problem(offsets, n_values):
 # Helpers that take arrays and branch or loop are ordinary calls, not `inline="always"`: numba
 # inlines by binding each array argument to a new variable, and the reference counts it takes for
 # them (atomic increments and decrements) survive its pruning once the body has control flow.
-# Inlined, each of the LRU relink, the admission roll and the row initialisation cost 2-4 atomic
-# increments and as many decrements per key (3.5% of a training step with half the keys new);
-# a call costs a few cycles.
+# Inlined, each of the LRU relink, the admission roll and the row initialisation would take 2-4
+# atomic increments and as many decrements per key; a call costs less.
 
 @njit(cache=True, nogil=True)
 def _lru_unlink(r32, meta, parts, p, r):
@@ -316,13 +315,11 @@ def _admit(key, seed, draw, icfg, fcfg, sketch):
 def _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bits):
     """Requests, after an LRU eviction, what the next two will touch. An eviction follows the list
     from the tail (a chain of dependent misses), deletes the victim's index entry (reading the
-    keys of the entries after it, to shift them back) and initialises its row; each of these
-    waited on a miss in turn, about 1.5x the step of a table with free rows. Two stages, each fed
-    by the one before at the previous eviction: the new tail's row lines (for writing) and the
-    metadata of the entries after its index slot (that slot was requested last time), then the
-    next tail's index slot (its metadata was requested last time) and its predecessor's metadata.
-    Tables evicting every batch (bench/ab_step.py --capacity 20000): two stages took 0.93 and 0.92
-    of the step with one stage, which took 0.98 of none; a third stage added nothing."""
+    keys of the entries after it, to shift them back) and initialises its row; without these
+    requests each would wait on a miss in turn. Two stages, each fed by the one before at the
+    previous eviction: the new tail's row lines (for writing) and the metadata of the entries
+    after its index slot (that slot was requested last time), then the next tail's index slot
+    (its metadata was requested last time) and its predecessor's metadata."""
     t = parts[p, PT_TAIL]
     if t < 0:
         return
@@ -426,7 +423,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             tag = _tag(h, row_bits)
             s = scale32(h, ns)
             e = np.int64(index[s0 + s])
-            while e >= 0 and (e & ~rows_part) != tag:  # written out: an inlined _probe took reference counts here
+            while e >= 0 and (e & ~rows_part) != tag:  # written out: an inlined _probe would take reference counts here
                 s = s + 1 if s + 1 < ns else 0
                 e = np.int64(index[s0 + s])
             guess = _entry_row(e, row_bits)
@@ -662,8 +659,7 @@ _F32_EXPONENT = np.uint32(0x7F800000)  # all ones in a float32's exponent: inf o
 @njit(cache=True, nogil=True)
 def all_finite(x):
     """Whether a C-contiguous float32 array holds no NaN or inf. A branch-free maximum of the
-    exponent bits, which LLVM vectorises (8x faster than testing each value and stopping at the
-    first bad one, a loop it kept scalar)."""
+    exponent bits, which LLVM vectorises (a loop that stops at the first bad value stays scalar)."""
     bits = x.reshape(-1).view(np.uint32)
     worst = np.uint32(0)
     for i in range(bits.shape[0]):
@@ -721,8 +717,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
         # one branch-free loop per optimizer so that LLVM vectorises across the row; float32
         # rounding at the points where torch materialises a float32 tensor. error_model="numpy":
         # with numba's default ("python") every float division checks for zero and may raise,
-        # a branch that kept these loops scalar (Adagrad 37 ns per row in L1, vectorised 6.6). A
-        # zero denominator (eps = 0 and a zero accumulator) gives NaN, as torch does.
+        # a branch that would keep these loops scalar. A zero denominator (eps = 0 and a zero accumulator) gives NaN, as torch does.
         if opt == OPT_ADAGRAD:  # float32 throughout, in torch's order: w + (-lr * g) / (sqrt(acc) + eps)
             for d in range(dim):
                 w32 = rows[r, d]

@@ -57,7 +57,7 @@ def unlink_shared(name: str) -> bool:
 def aligned_empty(shape, dtype, alignment: int = mmap.PAGESIZE) -> np.ndarray:
     """An uninitialised C-contiguous array whose first byte sits on an `alignment` boundary.
     numpy's own large arrays start 16 bytes past a page (the allocator's header), so a 64-byte
-    row there straddles two cache lines and a 128-byte row three: every random row access paid
+    row there straddles two cache lines and a 128-byte row three: every random row access pays
     an extra line. Aligned, a row of whole lines costs exactly its lines."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -69,16 +69,16 @@ def aligned_empty(shape, dtype, alignment: int = mmap.PAGESIZE) -> np.ndarray:
 def heap_array(shape, dtype) -> np.ndarray:
     """An uninitialised page-aligned array. Pages are only backed by memory once touched, so
     untouched capacity costs address space, not RAM, unless the table asks for `prefault`. numpy
-    advises transparent huge pages for large arrays: touched lazily inside training steps, their
-    first touch stalled ~10 ms each in direct compaction here (`defrag=madvise`); prefaulted at
-    creation, they are 10-25% faster than 4 KB pages (docs/benchmarks.md)."""
+    advises transparent huge pages for large arrays: touched lazily inside training steps, a
+    huge page's first touch can stall in direct compaction (`defrag=madvise`); prefaulted at
+    creation, they save TLB misses over 4 KB pages (docs/benchmarks.md has the figures)."""
     return aligned_empty(shape, dtype)
 
 
 def _touch_pages(arr: np.ndarray) -> None:
     """Write a zero byte into every page of a new array whose contents are not defined yet (fresh
     heap memory, or a new zero-filled file), so that the kernel backs it now rather than at each
-    page's first use inside a timed training step (~1-2 us per 4 KB page fault here)."""
+    page's first use inside a training step, where each fault stalls the step."""
     raw = arr.reshape(-1).view(np.uint8)
     raw[:: mmap.PAGESIZE] = 0
 

@@ -1,10 +1,9 @@
 """Many tables' arrays handed to one numba kernel as a single int64 table of addresses and shapes.
 
-The collection's group kernels serve every table of a batch in one call. Passing each kind of
-array as a numba typed list (one item per table) cost ~10 us per call with warm caches and ~65-85
-us with the caches the kernels had just flushed: the dispatcher types and unboxes every typed list
-through Python. One int64 array of addresses takes the dispatcher's fast path (~2 us warm, ~20
-cold), and the kernel views each address as an array again (`table_array`), which costs nothing.
+The collection's group kernels serve every table of a batch in one call. Passed as numba typed
+lists (one item per table), each kind of array would be typed and unboxed through Python by the
+dispatcher on every call. One int64 array of addresses takes the dispatcher's fast path, and the
+kernel views each address as an array again (`rows_of`, `meta_of`, ...), which costs nothing.
 
 Whoever builds the address table must keep the arrays alive for as long as it is used:
 `TableArrays` holds them.
