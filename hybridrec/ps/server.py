@@ -412,7 +412,7 @@ def _config_job(parser: argparse.ArgumentParser, path: str,
     """Every table and the dense parameters' shapes of the job config at `path` (with `--set`
     overrides), as the trainers derive them."""
     from hybridrec.config import ConfigError, load_config
-    from hybridrec.parallel.tables import job_tables  # imports the models: only when asked
+    from hybridrec.job.tables import job_tables  # imports the models: only when asked
     from hybridrec.models import build_model
 
     try:
