@@ -1,6 +1,6 @@
-"""Whole Persia-style jobs on loopback with real roles (PS servers, an embedding worker, NN workers
+"""Whole Persia-style jobs on loopback with real roles (PS servers, an embedding worker, trainers
 under torchrun), started by `hybridrec launch`: convergence with bounded staleness, a PS killed
-with SIGKILL mid-training, an NN worker killed mid-training, and teardown when a role dies."""
+with SIGKILL mid-training, a trainer killed mid-training, and teardown when a role dies."""
 
 import json
 import os
@@ -92,7 +92,7 @@ def trained_steps(run: Path) -> int:
 def steps_of_one_epoch(config: Path) -> int:
     """Steps every rank takes in one epoch: the batches of the shortest of the 2 ranks' shards."""
     from hybridrec.config import load_config
-    from hybridrec.train.data import build_sources
+    from hybridrec.job.sources import build_sources
 
     cfg = load_config(config)
     return min(sum(1 for _ in build_sources(cfg.data, cfg.seed, rank, 2, with_best_auc=False).train)
@@ -109,7 +109,7 @@ def no_role_left(config: Path) -> bool:
     return not processes_with(str(config))
 
 
-def test_two_ps_two_nn_workers_converge_with_staleness_within_tau(tmp_path):
+def test_two_ps_two_trainers_converge_with_staleness_within_tau(tmp_path):
     config, log = write_config(tmp_path), tmp_path / "launch.log"
     code = finish(start_launch(config, log), log)
     assert code == 0, log.read_text()[-3000:]
@@ -134,7 +134,7 @@ def test_sync_discipline_never_reads_a_stale_embedding(tmp_path):
 
 
 def test_the_lossless_wire_mode_trains_exactly_like_the_baseline(tmp_path):
-    """One NN worker, sync: the order of updates is fixed, so unique IDs + unique rows (NN-side
+    """One trainer, sync: the order of updates is fixed, so unique IDs + unique rows (trainer-side
     pooling) must give bit-identical metrics to int64 IDs + pooled fp32 rows, in fewer bytes."""
     results = {}
     for codec in ("none", "unique"):
@@ -163,7 +163,7 @@ def test_ps_killed_with_sigkill_is_restarted_and_training_completes(tmp_path):
     assert no_role_left(config)
 
 
-def test_nn_worker_failure_restarts_the_group_from_the_last_checkpoint(tmp_path):
+def test_trainer_failure_restarts_the_group_from_the_last_checkpoint(tmp_path):
     config, log = write_config(tmp_path, checkpoint_every=10), tmp_path / "launch.log"
     process = start_launch(config, log, "--max-restarts", "3")
     latest = tmp_path / "run" / "checkpoints" / "latest"
@@ -171,7 +171,7 @@ def test_nn_worker_failure_restarts_the_group_from_the_last_checkpoint(tmp_path)
              "a checkpoint and 25 steps", log)
     workers = [pid for pid in processes_with("hybridrec.parallel.trainer", str(config))
                if "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
-    assert workers, "no NN worker process found"
+    assert workers, "no trainer process found"
     os.kill(workers[0], signal.SIGKILL)
     code = finish(process, log)
     assert code == 0, log.read_text()[-3000:]

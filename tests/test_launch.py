@@ -1,7 +1,7 @@
 """Tests of `hybridrec launch` and the supervisor under it, driven by small real Python processes
 as roles: unrecoverable deaths tear the job down, a SIGKILLed service comes back, every line is
 prefixed and none is lost, SIGINT / --timeout stop whole process trees, and the command refuses
-configs and counts it cannot run. (The end-to-end job with real PS / embedding / NN workers is
+configs and counts it cannot run. (The end-to-end job with real PS / embedding workers / trainers is
 tested where those programs live.)"""
 import os
 import select

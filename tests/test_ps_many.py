@@ -9,7 +9,7 @@ import pytest
 import hybridrec.ps.client as client_module
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.config import load_config
-from hybridrec.parallel.tables import job_tables
+from hybridrec.job.tables import job_tables
 from hybridrec.ps import PSClient, serve
 from hybridrec.ps.server import launch, main as server_main
 
