@@ -1,6 +1,7 @@
 """Tests of the benchmark harness at tiny sizes: the workload has the promised shape and
-skew, every system really trains, and both benchmarks print valid JSON with the documented
-keys. No timing is asserted: throughput figures only have to be positive numbers."""
+skew, every system really trains, the embedding, e2e and e2e-floor benchmarks print valid JSON
+with the documented keys, and every `hybridrec bench` mode and developer script has --help.
+No timing is asserted: throughput figures only have to be positive numbers."""
 from __future__ import annotations
 
 import json
@@ -13,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.benchmarks import e2e, embedding
+from hybridrec.benchmarks import e2e, e2e_floor, embedding
 from hybridrec.benchmarks.peers import SYSTEM_NAMES, HybridrecSystem, TorchEmbeddingBagSystem, \
     TorchRecSystem, parse_system_names
 from hybridrec.benchmarks.timing import SystemResult, Throughput, summarize
 from hybridrec.benchmarks.workload import (WorkloadShape, dense_ids_per_field,
                                            make_dense_batches, make_sparse_batches, mix64)
+from hybridrec.cli import BENCHMARKS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--batch-size", "64", "--fields", "3", "--dim", "4", "--capacity", "2000",
@@ -233,12 +235,49 @@ def test_e2e_reports_the_dlrm_top_mlp_input():
     assert summary["settings"]["top_mlp"][0] == summary["top_mlp_input"]
 
 
-@pytest.mark.parametrize("script", ["embedding.py", "e2e.py"])
-def test_bench_scripts_run_from_a_checkout(script):
+def test_e2e_floor_reports_the_dense_only_floor_against_each_engine(capsys):
+    returned = e2e_floor.main([*TINY, "--systems", "hybridrec,torch", "--json"])
+    summary = _single_json_line(capsys.readouterr().out)
+    assert summary == json.loads(json.dumps(returned))
+    assert _positive_rate(summary["dense_only_samples_per_s"])
+    assert len(summary["dense_only_samples_per_s_runs"]) == summary["settings"]["repeats"]
+    for name in ("hybridrec", "torch"):
+        _check_system_entry(summary, name, "samples_per_s")
+    assert _positive_rate(summary["dense_only_over_torch"])
+    assert summary["torchrec_samples_per_s"] is None  # not asked for
+    assert summary["top_mlp_input"] == 4 + (3 + 1) * 3 // 2
+
+
+def test_the_dense_only_system_has_no_lookup_and_no_update():
+    system = e2e_floor.FixedEmbeddings(TINY_SHAPE)
+    pooled = system.pooled(system.prepare(make_sparse_batches(TINY_SHAPE, 1)[0]))
+    assert pooled.shape == (TINY_SHAPE.batch_size, TINY_SHAPE.fields, TINY_SHAPE.dim)
+    before = pooled.detach().clone()
+    pooled.backward(torch.ones_like(pooled))
+    system.step()
+    assert system.table.grad is None
+    torch.testing.assert_close(system.pooled(None).detach(), before)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_bench_mode_has_help_from_the_command_line(name):
+    completed = subprocess.run([sys.executable, "-m", "hybridrec.cli", "bench", name, "--help"],
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr
+    assert f"hybridrec bench {name}" in completed.stdout
+
+
+def test_a_bench_mode_runs_from_the_command_line():
     completed = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *TINY, "--systems", "torch", "--json"],
+        [sys.executable, "-m", "hybridrec.cli", "bench", "embedding", *TINY, "--systems", "torch", "--json"],
         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert completed.returncode == 0, completed.stderr
-    summary = _single_json_line(completed.stdout)
-    assert any(_positive_rate(value) for key, value in summary.items()
-               if key.startswith("torch_") and key.endswith("_per_s"))
+    assert _positive_rate(_single_json_line(completed.stdout)["torch_lookups_per_s"])
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "scripts" / "dev").glob("*.py")), ids=lambda p: p.name)
+def test_developer_scripts_import_and_have_help(script):
+    completed = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                               timeout=120, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr
+    assert "usage:" in completed.stdout

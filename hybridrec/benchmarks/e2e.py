@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from hybridrec.benchmarks.peers import (ADAGRAD_EPS, ADAGRAD_LR, EmbeddingSystem,
+from hybridrec.benchmarks.peers import (ADAGRAD_EPS, ADAGRAD_LR, SYSTEM_NAMES, EmbeddingSystem,
                                         benchmark_parser, compare_systems)
-from hybridrec.benchmarks.timing import positive_int
+from hybridrec.benchmarks.timing import TimingPlan, positive_int
 from hybridrec.benchmarks.workload import (DenseBatch, SparseBatch, WorkloadShape,
                                            make_dense_batches, make_sparse_batches,
                                            parse_benchmark_arguments)
@@ -29,11 +29,11 @@ BOTTOM_HIDDEN = 64
 TOP_MLP = (256, 128)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = benchmark_parser(
-        "hybridrec bench e2e",
-        "DLRM training samples/s with hybridrec, torch.nn.EmbeddingBag and TorchRec "
-        "embeddings under the same dense model, one thread.")
+def build_parser(prog: str = "hybridrec bench e2e",
+                 description: str = "DLRM training samples/s with hybridrec, torch.nn.EmbeddingBag "
+                                    "and TorchRec embeddings under the same dense model, one thread.",
+                 systems: tuple[str, ...] = SYSTEM_NAMES) -> argparse.ArgumentParser:
+    parser = benchmark_parser(prog, description, systems)
     parser.add_argument("--num-dense", type=positive_int, default=13,
                         help="continuous features per sample (default 13)")
     return parser
@@ -70,8 +70,11 @@ def training_step_runner(system: EmbeddingSystem, sparse: list[SparseBatch],
     return train_step
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args, shape, plan = parse_benchmark_arguments(build_parser(), argv)
+def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan, *,
+            classes: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] | None = None,
+            title: str = "DLRM training") -> dict:
+    """Trains the DLRM fed by each of `args.systems` (built from `classes`, by default hybridrec
+    and the peers), interleaved, and prints and returns the summary."""
     sparse = make_sparse_batches(shape, plan.total_batches)
     dense = make_dense_batches(shape.batch_size, args.num_dense, plan.total_batches,
                                seed=shape.seed)
@@ -83,5 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
         settings={"num_dense": args.num_dense, "model": "dlrm",
                   "bottom_mlp": [args.num_dense, BOTTOM_HIDDEN, shape.dim],
                   "top_mlp": [top_mlp_input, *TOP_MLP, 1]},
-        title=f"DLRM training, top MLP {top_mlp_input}-256-128-1, one thread",
-        extra_keys={"top_mlp_input": top_mlp_input})
+        title=f"{title}, top MLP {top_mlp_input}-256-128-1, one thread",
+        extra_keys={"top_mlp_input": top_mlp_input}, classes=classes)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, shape, plan = parse_benchmark_arguments(build_parser(), argv)
+    return compare(args, shape, plan)

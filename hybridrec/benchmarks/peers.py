@@ -46,7 +46,7 @@ class EmbeddingSystem(Protocol):
     def bytes_per_row(self) -> float: ...
 
 
-class _SystemBase:
+class SystemBase:
     """Defaults shared by the systems: the update is fused into backward (nothing to do in
     `step`) and a row holds a float32 weight vector plus a float32 Adagrad accumulator."""
 
@@ -62,7 +62,7 @@ class _SystemBase:
         return 2 * self.shape.dim * 4.0
 
 
-class TorchEmbeddingBagSystem(_SystemBase):
+class TorchEmbeddingBagSystem(SystemBase):
     """One `torch.nn.EmbeddingBag(mode="sum", sparse=True)` per field + sparse Adagrad."""
 
     name = "torch"
@@ -90,7 +90,7 @@ class TorchEmbeddingBagSystem(_SystemBase):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-class TorchRecSystem(_SystemBase):
+class TorchRecSystem(SystemBase):
     """TorchRec `FusedEmbeddingBagCollection` on CPU, one table per field, fused Adagrad."""
 
     name = "torchrec"
@@ -124,7 +124,7 @@ class TorchRecSystem(_SystemBase):
         return keyed.values().view(self.shape.batch_size, self.shape.fields, self.shape.dim)
 
 
-class HybridrecSystem(_SystemBase):
+class HybridrecSystem(SystemBase):
     """hybridrec `EmbeddingCollection`: one `EmbeddingStore` per field, fused Adagrad."""
 
     name = "hybridrec"
@@ -155,7 +155,7 @@ class HybridrecSystem(_SystemBase):
         return float(store.stats()["bytes_per_row"])
 
 
-_SYSTEM_CLASSES: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] = {
+SYSTEM_CLASSES: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] = {
     "hybridrec": HybridrecSystem,
     "torch": TorchEmbeddingBagSystem,
     "torchrec": TorchRecSystem,
@@ -172,17 +172,20 @@ def parse_system_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def benchmark_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with the options every benchmark shares: workload, timing, --systems, --json."""
+def benchmark_parser(prog: str, description: str,
+                     systems: tuple[str, ...] = SYSTEM_NAMES) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark shares: workload, timing, --systems (default
+    `systems`), --json."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_workload_arguments(parser)
     add_timing_arguments(parser, warmup=5, batches=10, repeats=5)
-    add_system_arguments(parser)
+    add_system_arguments(parser, systems)
     return parser
 
 
-def add_system_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds --systems (default: all of SYSTEM_NAMES)."""
+def add_system_arguments(parser: argparse.ArgumentParser,
+                         default: tuple[str, ...] = SYSTEM_NAMES) -> None:
+    """Adds --systems, a comma-separated subset of SYSTEM_NAMES (default `default`)."""
 
     def system_names(text: str) -> tuple[str, ...]:
         try:
@@ -190,9 +193,9 @@ def add_system_arguments(parser: argparse.ArgumentParser) -> None:
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
-    parser.add_argument("--systems", type=system_names, default=SYSTEM_NAMES,
-                        help="comma-separated systems to measure (default all: "
-                             + ",".join(SYSTEM_NAMES) + ")")
+    parser.add_argument("--systems", type=system_names, default=default,
+                        help="comma-separated systems to measure, of " + ",".join(SYSTEM_NAMES)
+                             + " (default " + ",".join(default) + ")")
 
 
 def _unavailable(name: str, error: Exception) -> SystemResult:
@@ -210,17 +213,19 @@ def _unavailable(name: str, error: Exception) -> SystemResult:
 def measure_systems(names: tuple[str, ...], shape: WorkloadShape, plan: TimingPlan,
                     items_per_batch: int,
                     make_runner: Callable[[EmbeddingSystem], Callable[[int], None]],
+                    classes: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] | None = None,
                     ) -> list[SystemResult]:
-    """Builds the named systems, warms each up with `make_runner(system)`, then times them
-    interleaved (`measure_interleaved`). All tables are alive at once (about 2 x 1.7 GB per
-    peer at the default 26 x 1M x 16) so every repetition compares the systems under the
-    same machine load."""
+    """Builds the named systems (from `classes`, by default hybridrec and the peers), warms
+    each up with `make_runner(system)`, then times them interleaved (`measure_interleaved`).
+    All tables are alive at once (about 2 x 1.7 GB per peer at the default 26 x 1M x 16) so
+    every repetition compares the systems under the same machine load."""
+    classes = SYSTEM_CLASSES if classes is None else classes
     failed: dict[str, SystemResult] = {}
     systems: dict[str, EmbeddingSystem] = {}
     runners: dict[str, Callable[[int], None]] = {}
     for name in names:
         try:
-            systems[name] = _SYSTEM_CLASSES[name](shape)
+            systems[name] = classes[name](shape)
             runners[name] = make_runner(systems[name])
             warm_up(runners[name], plan)
         except Exception as error:  # noqa: BLE001 - filtered by _unavailable
@@ -237,13 +242,18 @@ def measure_systems(names: tuple[str, ...], shape: WorkloadShape, plan: TimingPl
 def compare_systems(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan, *,
                     unit: str, items_per_batch: int,
                     make_runner: Callable[[EmbeddingSystem], Callable[[int], None]],
-                    settings: dict, title: str, extra_keys: dict | None = None) -> dict:
+                    settings: dict, title: str, extra_keys: dict | None = None,
+                    classes: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] | None = None,
+                    ) -> dict:
     """The common tail of every benchmark: one thread, measure `args.systems`, then print
-    and return the summary (see `timing.summarize`) with `extra_keys` added at top level."""
+    and return the summary (see `timing.summarize`) with `extra_keys` added at top level.
+    `classes` replaces the systems compared (default hybridrec and the peers, SYSTEM_NAMES);
+    their names, in order, are the report's."""
     single_thread()
-    results = measure_systems(args.systems, shape, plan, items_per_batch, make_runner)
+    all_names = SYSTEM_NAMES if classes is None else tuple(classes)
+    results = measure_systems(args.systems, shape, plan, items_per_batch, make_runner, classes)
     settings = {**asdict(shape), **asdict(plan), "threads": 1, "optimizer": "adagrad",
                 **settings}
-    summary = {**summarize(results, unit, SYSTEM_NAMES, settings), **(extra_keys or {})}
-    print_summary(summary, unit, SYSTEM_NAMES, as_json=args.json, title=title)
+    summary = {**summarize(results, unit, all_names, settings), **(extra_keys or {})}
+    print_summary(summary, unit, all_names, as_json=args.json, title=title)
     return summary

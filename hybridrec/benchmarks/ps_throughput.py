@@ -1,4 +1,4 @@
-"""`bench/ps_throughput.py`: embedding PS lookup throughput over loopback vs an in-process gather.
+"""`hybridrec bench ps`: embedding PS lookup throughput over loopback vs an in-process gather.
 
 Starts `--servers` PS processes on 127.0.0.1, fills one table with `--rows` keys, then times,
 on the same batches of `--batch` distinct keys, interleaved within every repetition:
@@ -32,7 +32,7 @@ PRELOAD_CHUNK = 1 << 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench/ps_throughput.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="hybridrec bench ps", description=__doc__.split("\n")[0])
     parser.add_argument("--servers", type=positive_int, default=1, help="PS processes (default 1)")
     parser.add_argument("--server-threads", type=positive_int, default=1,
                         help="worker threads per PS process (default 1)")

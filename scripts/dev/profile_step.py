@@ -1,14 +1,15 @@
 """Where hybridrec's embedding step spends its time, function by function, numba kernels included.
 
-`perf` samples numba's JIT code but cannot name it: the code lives in anonymous memory. This
-script builds the `bench embedding` workload for hybridrec alone, warms it up, writes
-/tmp/perf-<pid>.map (the symbol map `perf report` reads for JIT code: the address, size and name
-of every function numba has compiled in this process), then runs `perf record` on itself while it
-trains for --seconds and prints the top of `perf report`. Needs `perf` on PATH; sampling uses the
-cpu-clock event, so it works in VMs without hardware counters. A diagnostic for engine work (the
-profile percentages are shares of this process's samples, not a comparison with peers).
+A developer tool, not a `hybridrec bench` mode: it profiles hybridrec alone (no peer, no ratio)
+and needs `perf`. `perf` samples numba's JIT code but cannot name it: the code lives in anonymous
+memory. This script builds the `hybridrec bench embedding` workload and step for hybridrec alone
+(`embedding_step_runner`), warms it up, writes /tmp/perf-<pid>.map (the symbol map `perf report`
+reads for JIT code: the address, size and name of every function numba has compiled in this
+process), then runs `perf record` on itself while it trains for --seconds and prints the top of
+`perf report`. Sampling uses the cpu-clock event, so it works in VMs without hardware counters;
+the percentages are shares of this process's samples.
 
-Example: python bench/profile_step.py --seconds 4 --top 20
+Example: python scripts/dev/profile_step.py --seconds 4 --top 20
 """
 import argparse
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from hybridrec.benchmarks.timing import number_above, positive_int  # noqa: E402
 
@@ -67,8 +68,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         parser.error("perf is not installed (on Debian: apt-get install linux-perf)")
-    import torch
-
+    from hybridrec.benchmarks.embedding import embedding_step_runner
     from hybridrec.benchmarks.peers import HybridrecSystem
     from hybridrec.benchmarks.timing import single_thread
     from hybridrec.benchmarks.workload import WorkloadShape, make_sparse_batches
@@ -76,13 +76,10 @@ def main(argv=None) -> None:
     single_thread()
     shape = WorkloadShape(batch_size=args.batch_size, fields=26, dim=16, capacity=1_000_000)
     batches = make_sparse_batches(shape, 400)
-    system = HybridrecSystem(shape)
-    prepared = [system.prepare(batch) for batch in batches]
-    gradient = torch.randn(shape.batch_size, shape.fields, shape.dim, generator=torch.Generator().manual_seed(0))
+    run = embedding_step_runner(HybridrecSystem(shape), batches, shape)
 
     def step(i):
-        system.pooled(prepared[i % len(prepared)]).backward(gradient)
-        system.step()
+        run(i % len(batches))
 
     for i in range(10):
         step(i)

@@ -1,15 +1,18 @@
 """Paired A/B of hybridrec's embedding step between two checkouts, for engine work on a noisy host.
 
+A developer tool, not a `hybridrec bench` mode: it compares two versions of hybridrec with each
+other (no peer), and each side must import hybridrec from its own checkout, so it runs as a
+script from this one. The workload and the step are those of `hybridrec bench embedding`
+(`hybridrec.benchmarks.embedding.embedding_step_runner`).
+
 Two worker processes, one importing hybridrec from each checkout, are pinned to the same CPU and
-take turns, one batch each (the order alternates every batch), on the `bench embedding` workload.
-Both therefore see the same spells of host noise, and the median of the per-batch time ratios
-(candidate / baseline) is far steadier than two separate runs: the same code on both sides reads
-0.98-1.00 here. A diagnostic for comparing engine versions, not a comparison with peers (those come
-from `hybridrec bench embedding`). `--capacity` below the workload's distinct keys per field
-(about 41,000 for 70 batches) makes every table full, so each batch evicts.
+take turns, one batch each (the order alternates every batch). Both therefore see the same spells
+of host noise, and the median of the per-batch time ratios (candidate / baseline) is far steadier
+than two separate runs. `--capacity` below the workload's distinct keys per field (about 41,000
+for 70 batches) makes every table full, so each batch evicts.
 
 Example (a second checkout made with `git worktree add /tmp/base <commit>`):
-    python bench/ab_step.py --baseline /tmp/base --candidate . --batches 60
+    python scripts/dev/ab_step.py --baseline /tmp/base --candidate . --batches 60
 """
 import argparse
 import dataclasses
@@ -27,8 +30,7 @@ def _worker(checkout: str, cpu: int, shape_fields: dict, n_batches: int) -> None
     """Builds the system from `checkout`, then times one step per batch index read from stdin."""
     os.sched_setaffinity(0, {cpu})
     sys.path.insert(0, checkout)
-    import torch
-
+    from hybridrec.benchmarks.embedding import embedding_step_runner
     from hybridrec.benchmarks.peers import HybridrecSystem
     from hybridrec.benchmarks.timing import single_thread
     from hybridrec.benchmarks.workload import WorkloadShape, make_sparse_batches
@@ -37,14 +39,11 @@ def _worker(checkout: str, cpu: int, shape_fields: dict, n_batches: int) -> None
     shape = WorkloadShape(**shape_fields)
     # the keys fit the peers' 1M-row default whatever the capacity under test
     batches = make_sparse_batches(dataclasses.replace(shape, capacity=max(shape.capacity, 1_000_000)), n_batches)
-    system = HybridrecSystem(shape)
-    prepared = [system.prepare(batch) for batch in batches]
-    gradient = torch.randn(shape.batch_size, shape.fields, shape.dim, generator=torch.Generator().manual_seed(0))
+    step = embedding_step_runner(HybridrecSystem(shape), batches, shape)
     print("ready", flush=True)
     for line in sys.stdin:
         start = time.perf_counter()
-        system.pooled(prepared[int(line)]).backward(gradient)
-        system.step()
+        step(int(line))
         print(time.perf_counter() - start, flush=True)
 
 
@@ -58,7 +57,7 @@ def _checkout(text: str) -> str:
 
 def main(argv=None) -> dict:
     # here, not at the top: a worker must import hybridrec from its own checkout, not this one
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
     from hybridrec.benchmarks.timing import positive_int
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

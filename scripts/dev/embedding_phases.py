@@ -1,16 +1,19 @@
 """Where hybridrec's embedding step spends its time: ns per lookup of the probe + pool phase and
-of the scatter + update phase, on the `bench embedding` workload (fresh batches, one thread), and
-again on a batch whose rows all sit in cache (the compute floor). A diagnostic for engine work,
-not a comparison: the peers' figures come from `hybridrec bench embedding`.
+of the scatter + update phase, on the `hybridrec bench embedding` workload (fresh batches, one
+thread), and again on a batch whose rows all sit in cache (the compute floor).
 
-Example: python bench/embedding_phases.py --batches 40"""
+A developer tool, not a `hybridrec bench` mode: it times hybridrec alone (no peer, no ratio) and
+calls the collection's internals (`_group_for`, `_positions`) to split the step into its two
+kernel calls, which no peer has.
+
+Example: python scripts/dev/embedding_phases.py --batches 40"""
 import argparse
 import json
 import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from a checkout
 
 import numpy as np  # noqa: E402
 
