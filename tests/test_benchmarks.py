@@ -281,3 +281,13 @@ def test_developer_scripts_import_and_have_help(script):
                                timeout=120, cwd=REPO)
     assert completed.returncode == 0, completed.stderr
     assert "usage:" in completed.stdout
+
+
+def test_the_phase_timing_script_reports_finite_times():
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "dev" / "embedding_phases.py"), "--batch-size", "64",
+         "--capacity", "4000", "--batches", "2", "--warmup", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr
+    report = _single_json_line(completed.stdout)
+    assert len(report) == 8 and all(_positive_rate(value) for value in report.values())

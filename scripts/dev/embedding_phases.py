@@ -18,14 +18,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from
 import numpy as np  # noqa: E402
 
 from hybridrec.benchmarks.peers import HybridrecSystem  # noqa: E402
-from hybridrec.benchmarks.timing import single_thread  # noqa: E402
+from hybridrec.benchmarks.timing import non_negative_int, positive_int, single_thread  # noqa: E402
 from hybridrec.benchmarks.workload import WorkloadShape, make_sparse_batches  # noqa: E402
 
 
 def phase_times(system, prepared, grad):
     """(probe + pool seconds, scatter + update seconds) for each prepared batch."""
     coll = system.collection
-    names = coll.feature_names
+    names = tuple(coll.feature_names)
     group = coll._group_for(names)
     times = []
     for features in prepared:
@@ -40,11 +40,13 @@ def phase_times(system, prepared, grad):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batches", type=int, default=40, help="timed fresh batches (default 40)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed batches first (default 20)")
+    parser.add_argument("--batches", type=positive_int, default=40, help="timed fresh batches (default 40)")
+    parser.add_argument("--warmup", type=non_negative_int, default=20, help="untimed batches first (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=4096, help="samples per batch (default 4096)")
+    parser.add_argument("--capacity", type=positive_int, default=1_000_000, help="rows per table (default 1000000)")
     args = parser.parse_args(argv)
     single_thread()
-    shape = WorkloadShape(batch_size=4096, fields=26, dim=16, capacity=1_000_000, zipf_exponent=1.2, seed=0)
+    shape = WorkloadShape(batch_size=args.batch_size, fields=26, dim=16, capacity=args.capacity, zipf_exponent=1.2, seed=0)
     batches = make_sparse_batches(shape, args.warmup + args.batches)
     system = HybridrecSystem(shape)
     prepared = [system.prepare(b) for b in batches]
