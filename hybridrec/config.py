@@ -193,6 +193,35 @@ class RolesSection(_Section):
     trainers: int = Field(2, ge=1, le=1024)
 
 
+class RoleResources(_Section):
+    """What one process of a role asks a cluster engine for (`hybridrec launch --ray`: Ray
+    reserves it on the node it places the process on). `hybridrec launch` without `--ray`
+    reserves nothing."""
+
+    cpus: float = Field(1.0, ge=0, le=1024, description="logical CPUs (fractions allowed)")
+    gpus: float = Field(0.0, ge=0, le=64, description="GPUs (trainers only: the dense part runs on them)")
+    memory_gb: float = Field(0.0, ge=0, description="memory in GiB Ray reserves; 0: none")
+
+
+class ResourcesSection(_Section):
+    """Resources per process of each role, keyed as `roles` is: `ps_servers`,
+    `embedding_workers`, `trainers` (each `cpus`, `gpus`, `memory_gb`). PS servers and embedding
+    workers run on CPUs only, so they may not ask for GPUs."""
+
+    ps_servers: RoleResources = RoleResources()
+    embedding_workers: RoleResources = RoleResources()
+    trainers: RoleResources = RoleResources()
+
+    @model_validator(mode="after")
+    def _gpus_for_trainers_only(self):
+        for role in ("ps_servers", "embedding_workers"):
+            gpus = getattr(self, role).gpus
+            if gpus:
+                raise ValueError(f"{role}.gpus is {gpus:g}, but {role} run on CPUs only: allowed is 0 "
+                                 f"(give GPUs to trainers.gpus)")
+        return self
+
+
 class StrategyConfig(_Section):
     """How a job trains: a preset named after a paper (`local`, `persia`) expanded to the four
     axes of hybridrec.axes, each of which may be set here to override the preset:
@@ -211,6 +240,7 @@ class StrategyConfig(_Section):
     retries: int = Field(3, ge=0, le=100, description="retries of idempotent requests after a timeout")
     max_buffered_batches: int = Field(256, ge=1, description="batches an embedding worker buffers; older ones are dropped and counted")
     roles: RolesSection = RolesSection()
+    resources: ResourcesSection = ResourcesSection()
 
     @model_validator(mode="before")
     @classmethod
