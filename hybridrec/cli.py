@@ -99,12 +99,14 @@ def cmd_embedding_worker(args) -> int:
 
 
 def cmd_launch(args) -> int:
+    from hybridrec.parallel import emulated_hosts
     from hybridrec.parallel.launch import launch
 
     try:
         return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
                       overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
-                      max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)
+                      max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
+                      emulation=emulated_hosts.from_arguments(args))
     except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
         print(f"hybridrec launch: error: {exc}", file=sys.stderr)
         return 2
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface the PS servers and embedding workers bind")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop the whole job after this long (exit code 124); default: no limit")
+    from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
+
+    add_emulation_arguments(p)
     p.set_defaults(func=cmd_launch)
     return parser
 

@@ -9,12 +9,16 @@ ends, for whatever reason, every process is stopped and the job's shared memory 
 launcher killed with SIGKILL cannot do that, so each launch first removes the shared memory of
 launcher jobs whose launcher process is gone (`remove_dead_jobs_shared_memory`).
 
+With `emulation` the roles run on emulated hosts instead (network namespaces behind shaped
+links, `emulated_hosts.py`), which are deleted with the job.
+
 Counts not given come from the config's `strategy.roles`. Python API: `launch(config, ps=N,
 embedding_workers=E, trainers=K, ...)` returns the exit code; `build_roles(...)` gives the
 `Role`s without running them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,13 +27,16 @@ import secrets
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Sequence, TextIO
 
 from hybridrec.comm.auth import launcher_environment
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.parallel.supervisor import Role, Supervisor, proc_stat_fields
+
+if TYPE_CHECKING:
+    from hybridrec.parallel.emulated_hosts import EmulatedHosts, HostEmulation
 
 PS_READY = "hybridrec-ps listening on "
 EMBEDDING_WORKER_READY = "hybridrec-embedding-worker listening on "
@@ -196,39 +203,59 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int,
                 overrides: Sequence[str] = (), host: str = "127.0.0.1", job: str | None = None,
                 resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
                 role_restarts: int = 3, startup_timeout: float = 180.0,
-                python: str = sys.executable, checkpoint_root: str | None = None) -> JobPlan:
+                python: str = sys.executable, checkpoint_root: str | None = None,
+                hosts: "EmulatedHosts | None" = None) -> JobPlan:
     """The roles of one job, with ports picked now so a restarted role keeps its address.
-    `checkpoint_root`: the absolute train.output_dir, the only place the servers checkpoint to."""
+    `checkpoint_root`: the absolute train.output_dir, the only place the servers checkpoint to.
+    `hosts`: emulated hosts (emulated_hosts.py) the roles run on, each server bound to its host's
+    address, instead of `host` on this machine."""
     check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
                     role_restarts=role_restarts, resume=resume, overwrite=overwrite)
     job = job or new_job_id()
-    connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # what clients dial
-    ps_ports, ew_ports, (rdzv_port,) = (free_ports(ps, host), free_ports(embedding_workers, host),
-                                       free_ports(1, "127.0.0.1"))
-    ps_addresses = [f"tcp://{connect_host}:{p}" for p in ps_ports]
-    ew_addresses = [f"tcp://{connect_host}:{p}" for p in ew_ports]
+    servers = [f"ps{i}" for i in range(ps)] + [f"ew{e}" for e in range(embedding_workers)]
+    if hosts is None:
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # what clients dial
+        bind, dial = {name: host for name in servers}, {name: connect_host for name in servers}
+        ports = dict(zip(servers, free_ports(len(servers), host)))
+        nodes = [("nn", 1, ["--rdzv-endpoint", f"127.0.0.1:{free_ports(1, '127.0.0.1')[0]}"], trainers, None)]
+    else:
+        bind = dial = {name: hosts.address(name) for name in servers}
+        ports = dict(zip(servers, hosts.server_ports(len(servers))))
+        trainer_nodes = hosts.trainer_nodes(trainers)
+        nodes = [(n.name, len(trainer_nodes), hosts.rendezvous_arguments(n, trainer_nodes), n.trainers, n.host)
+                 for n in trainer_nodes]
+        host = hosts.addresses[0]  # off loopback: the launcher makes a job key
+    ps_ports, ew_ports = [ports[f"ps{i}"] for i in range(ps)], [ports[f"ew{e}"] for e in range(embedding_workers)]
+    ps_addresses = [f"tcp://{dial[f'ps{i}']}:{p}" for i, p in enumerate(ps_ports)]
+    ew_addresses = [f"tcp://{dial[f'ew{e}']}:{p}" for e, p in enumerate(ew_ports)]
     shm_names = [ps_shm_name(job, i) for i in range(ps)]
     sets = [arg for item in overrides for arg in ("--set", item)]
     env = launcher_environment(host)  # off loopback: the job's new key for every role, never in an argv
+    if hosts is not None:
+        env = hosts.environment(env)
     root = ["--checkpoint-root", checkpoint_root] if checkpoint_root else []
     # the trainers send checkpoint paths under that same absolute root
     trainer_root = ["--set", f"train.output_dir={json.dumps(checkpoint_root)}"] if checkpoint_root else []
     roles = [Role(f"ps{i}", [python, "-m", "hybridrec.cli", "serve-ps", "--config", config, *sets,
-                             "--host", host, "--port", str(port), "--shm-name", shm_names[i], *root],
+                             "--host", bind[f"ps{i}"], "--port", str(port), "--shm-name", shm_names[i], *root],
                   ready_marker=PS_READY, restarts=role_restarts, startup_timeout=startup_timeout, env=env)
              for i, port in enumerate(ps_ports)]
     roles += [Role(f"ew{e}", [python, "-m", "hybridrec.cli", "embedding-worker", config, *sets, "--rank", str(e),
-                              "--ps", ",".join(ps_addresses), "--host", host, "--port", str(port)],
+                              "--ps", ",".join(ps_addresses), "--host", bind[f"ew{e}"], "--port", str(port)],
                    ready_marker=EMBEDDING_WORKER_READY, restarts=role_restarts, startup_timeout=startup_timeout,
                    env=env)
               for e, port in enumerate(ew_ports)]
     again = ["--resume"] if resume else ["--overwrite"] if overwrite else []
-    roles.append(Role("nn", [python, "-m", "torch.distributed.run", "--nnodes", "1",
-                             "--nproc-per-node", str(trainers), "--max-restarts", str(max_restarts),
-                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}",
-                             "-m", "hybridrec.parallel.trainer", config, *sets, *trainer_root,
-                             "--ps", ",".join(ps_addresses), "--embedding-workers", ",".join(ew_addresses),
-                             *again], main=True, env=env))
+    for name, count_nodes, rendezvous, count, _ in nodes:  # one torchrun per trainer host
+        roles.append(Role(name, [python, "-m", "torch.distributed.run", "--nnodes", str(count_nodes),
+                                 "--nproc-per-node", str(count), "--max-restarts", str(max_restarts),
+                                 "--rdzv-backend", "c10d", *rendezvous,
+                                 "-m", "hybridrec.parallel.trainer", config, *sets, *trainer_root,
+                                 "--ps", ",".join(ps_addresses), "--embedding-workers", ",".join(ew_addresses),
+                                 *again], main=True, env=env))
+    if hosts is not None:
+        where = {**{name: hosts.host_of(name) for name in servers}, **{node[0]: node[-1] for node in nodes}}
+        roles = [replace(role, argv=hosts.wrap(where[role.name], role.argv)) for role in roles]
     return JobPlan(job, roles, ps_addresses, ew_addresses, shm_names)
 
 
@@ -257,8 +284,9 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
            overrides: Sequence[str] = (),
            host: str = "127.0.0.1", resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
            role_restarts: int = 3, timeout: float | None = None, grace: float = 10.0,
-           out: TextIO | None = None) -> int:
+           out: TextIO | None = None, emulation: "HostEmulation | None" = None) -> int:
     """Run a whole job here; the exit code: 0 done, 1 a role failed, 124 timeout, 130 interrupted.
+    `emulation`: run the roles on emulated hosts (emulated_hosts.py), deleted when the job ends.
 
     Raises ConfigError / ValueError before anything starts when the arguments or config are wrong.
     """
@@ -270,17 +298,27 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
     check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
                     role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout)
     tables = list(job_tables(cfg).all_tables())
-    plan = build_roles(config, ps=ps, embedding_workers=embedding_workers, trainers=trainers,
-                       overrides=overrides, host=host, resume=resume, overwrite=overwrite,
-                       max_restarts=max_restarts, role_restarts=role_restarts,
-                       checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
-    supervisor = Supervisor(plan.roles, out=out, grace=grace)
-    supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
-    supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
-                   f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
-                   f"{trainers} trainer(s)")
-    remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
-    code = supervisor.run(timeout)
+    job = new_job_id()
+    hosts = None
+    if emulation is not None:
+        from hybridrec.parallel.emulated_hosts import emulated_hosts
+
+        hosts = emulated_hosts(job, emulation, ps=ps, embedding_workers=embedding_workers, trainers=trainers,
+                               host=host)
+    with hosts or contextlib.nullcontext():  # deletes the namespaces however the job ends
+        plan = build_roles(config, ps=ps, embedding_workers=embedding_workers, trainers=trainers,
+                           overrides=overrides, host=host, job=job, resume=resume, overwrite=overwrite,
+                           max_restarts=max_restarts, role_restarts=role_restarts,
+                           checkpoint_root=str(Path(cfg.train.output_dir).resolve()), hosts=hosts)
+        supervisor = Supervisor(plan.roles, out=out, grace=grace)
+        supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
+        supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
+                       f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
+                       f"{trainers} trainer(s)")
+        remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
+        if hosts is not None:
+            hosts.announce(supervisor.log)
+        code = supervisor.run(timeout)
     if code != 0:
         print(f"hybridrec launch: {supervisor.reason}", file=sys.stderr, flush=True)
     return code
