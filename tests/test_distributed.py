@@ -1,6 +1,7 @@
 """Whole Persia-style jobs on loopback with real roles (PS servers, an embedding worker, trainers
 under torchrun), started by `hybridrec launch`: convergence with bounded staleness, a PS killed
-with SIGKILL mid-training, a trainer killed mid-training, and teardown when a role dies."""
+with SIGKILL mid-training, the embedding worker killed three times, a trainer killed mid-training,
+and teardown when a role dies."""
 
 import json
 import os
@@ -160,6 +161,27 @@ def test_ps_killed_with_sigkill_is_restarted_and_training_completes(tmp_path):
     assert "restarting it" in text
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
     assert result["step"] == steps_of_one_epoch(config) and result["auc"] > result["best_auc"] - LEARNT_GAP, result
+    assert no_role_left(config)
+
+
+def test_the_embedding_worker_killed_at_several_moments_costs_batches_not_the_job(tmp_path):
+    """A restarted embedding worker has lost what it buffered: pulls and pushes of those batches
+    come back lost (or, for a push it died under, unacknowledged) and the trainers go on."""
+    config, log = write_config(tmp_path), tmp_path / "launch.log"
+    process = start_launch(config, log)
+    for kill, at_step in enumerate((10, 30, 50), start=1):
+        wait_for(lambda: trained_steps(tmp_path / "run") >= at_step, JOB_SECONDS, f"{at_step} training steps", log)
+        os.kill(wait_for(lambda: processes_with("hybridrec.cli embedding-worker", str(config)), 60,
+                         "the embedding worker", log)[0], signal.SIGKILL)
+        wait_for(lambda: log.read_text().count("ew0 exited") >= kill, 60, "the launcher to see ew0 die", log)
+    code = finish(process, log)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert text.count("restarting it") >= 3 and "Traceback" not in text, text[-3000:]
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    skipped = result["lost_batches"] + result["unacknowledged_updates"]
+    assert result["step"] + skipped >= steps_of_one_epoch(config) - 3 * (TAU + 2), result
+    assert result["auc"] > result["best_auc"] - LEARNT_GAP, result
     assert no_role_left(config)
 
 

@@ -51,6 +51,17 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+class ConnectionLost(TimeoutError):
+    """The connection to the server closed while a reply was awaited (the server stopped or
+    restarted, or a handshake broke off): the request is lost, and a retry goes to the server as
+    soon as it listens again. `handshake` holds the monitor event of a failed handshake: when
+    every attempt ends so, the client's key is the likely cause."""
+
+    def __init__(self, message: str, handshake: dict | None = None):
+        super().__init__(message)
+        self.handshake = handshake
+
+
 class ProtocolError(ValueError):
     """A message that does not follow the wire format."""
 
@@ -199,6 +210,9 @@ class Client:
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None,
              meta: dict[str, Any] | None = None) -> int:
         """Send one request without waiting; returns its id for `receive`."""
+        if not self._pending:  # what the connection did while nothing was awaited concerns no request
+            while self._monitor.poll(0):
+                recv_monitor_message(self._monitor)
         request_id = next(self._ids)
         frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
         self._socket.send_multipart(frames, copy=False)
@@ -223,9 +237,16 @@ class Client:
             remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             ready = dict(self._poller.poll(remaining_ms))
             if self._socket not in ready:
-                failed = self._monitor in ready
-                error = (_handshake_error(self.address, self.key, recv_monitor_message(self._monitor)) if failed
-                         else TimeoutError(f"no reply from {self.address} within the timeout"))
+                if self._monitor in ready:
+                    event = recv_monitor_message(self._monitor)
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the server refused our key
+                        error = _handshake_error(self.address, self.key, event)
+                    else:  # a restarting server breaks off handshakes too: worth another attempt
+                        error = ConnectionLost(f"the connection to {self.address} closed before the reply "
+                                               "(the server stopped or restarted)",
+                                               event if event["event"] & HANDSHAKE_FAILED else None)
+                else:
+                    error = TimeoutError(f"no reply from {self.address} within the timeout")
                 self.reconnect()
                 raise error
             frames = self._socket.recv_multipart(copy=False)
@@ -262,10 +283,12 @@ class Client:
             request_id = self.send(op, arrays, meta)
             try:
                 return self.receive(request_id, timeout)
-            except TimeoutError:
+            except TimeoutError as error:
                 if attempt + 1 == attempts:
-                    raise TimeoutError(
-                        f"{op} to {self.address}: no reply after {attempts} attempt(s)"
+                    if isinstance(error, ConnectionLost) and error.handshake is not None:
+                        raise _handshake_error(self.address, self.key, error.handshake) from None
+                    raise type(error)(
+                        f"{op} to {self.address}: no reply after {attempts} attempt(s) ({error})"
                         + ("" if idempotent else "; it may or may not have been applied")
                     ) from None
         raise AssertionError("unreachable")
@@ -277,7 +300,7 @@ class Client:
         self._socket.setsockopt(zmq.LINGER, 0)
         if self.key is not None:
             self.key.secure_client(self._socket)
-        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)

@@ -27,7 +27,8 @@ from hybridrec.strategy import build_strategy
 from hybridrec.strategy.world import World
 from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, read_dense, read_progress, save_checkpoint
 from hybridrec.metrics import MetricAccumulator
-from hybridrec.train.reporting import Reporter
+from hybridrec.train.best import BestKeeper
+from hybridrec.train.reporting import Reporter, json_text
 
 
 def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
@@ -67,6 +68,16 @@ def logits_of(module, inputs, batch, device: torch.device) -> torch.Tensor:
     return module(inputs.deep, inputs.wide, dense)
 
 
+def _lookup_for_evaluation(connection, batch, attempts: int = 3):
+    """A test batch's rows; a batch lost on the way (its embedding worker restarted between the
+    put and the pull) is sent again."""
+    for _ in range(attempts):
+        looked = connection.lookup(connection.prepare(batch), train=False)
+        if looked is not None:
+            return looked
+    raise RuntimeError(f"evaluation: the rows of a test batch were lost {attempts} times in a row")
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, placement, source, label_names, world: World) -> dict:
     """Exact AUC, logloss and normalised entropy per task on every row of `source`: trainer r
@@ -80,9 +91,7 @@ def evaluate(model: torch.nn.Module, placement, source, label_names, world: Worl
         for index, batch in enumerate(source):
             if index % world.size != world.rank:
                 continue
-            looked = connection.lookup(connection.prepare(batch), train=False)
-            if looked is None:
-                raise RuntimeError("evaluation: the rows of a test batch were lost (was an embedding worker restarted?)")
+            looked = _lookup_for_evaluation(connection, batch)
             logits = logits_of(model, placement.inputs(looked, batch, requires_grad=False), batch, device)
             scored.append((torch.sigmoid(logits).cpu().numpy(), batch.labels))
     finally:
@@ -203,6 +212,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                                 total_steps=_total_steps(cfg, sources, world), resumed_step=progress["step"],
                                 append=progress["step"] > 0)
         model.train()
+        best = None if sources.valid is None else BestKeeper(cfg.train.output_dir, world.leader, progress["step"] > 0)
         with reporter:
             for epoch in range(progress["epoch"], cfg.train.epochs):
                 if done:
@@ -245,9 +255,12 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                             if evaluate_now:
                                 stream.drain(drain_seconds(cfg))
                                 world.barrier()
-                                metrics = evaluate(model, placement, sources.test, sources.label_names, world)
-                                if world.leader:
-                                    reporter.eval_result(step, metrics)
+                                if best is not None:  # with validation rows the test rows wait for the end
+                                    validate(cfg, world, model, placement, dense, sources, reporter, best, progress)
+                                else:
+                                    metrics = evaluate(model, placement, sources.test, sources.label_names, world)
+                                    if world.leader:
+                                        reporter.eval_result(step, metrics)
                             if save_now:
                                 stream.drain(drain_seconds(cfg))
                                 save(cfg, world, placement, dense, progress)
@@ -264,22 +277,36 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                             wire[key] += value
                 if not done:
                     progress.update(epoch=epoch + 1, next_batch=0)
-            if world.grouped and progress["step"] == 0:
-                raise ValueError(f"trainer {world.rank} of {world.size}: no training step was taken; some trainer got "
-                                 "no training batch (the rows are dealt to trainers in blocks, so a small data set "
-                                 "may leave one with none): use more rows or fewer trainers")
+            if progress["step"] == 0:
+                raise sources.no_training_rows(world.rank, world.size)
             # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
             # must start from the state training left, whatever was evaluated in between
             save(cfg, world, placement, dense, progress)
+            if best is not None and best.validated_step != progress["step"]:  # the last step's, unless done
+                validate(cfg, world, model, placement, dense, sources, reporter, best, progress)
             metrics = evaluate(model, placement, sources.test, sources.label_names, world)
             result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire),
-                      "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts()}
+                      "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts(),
+                      **({} if best is None else {"best_valid": best.record})}
             if world.leader:
                 reporter.final(progress["step"], result)
-                Path(cfg.train.output_dir, "final_metrics.json").write_text(json.dumps(result, indent=1))
+                Path(cfg.train.output_dir, "final_metrics.json").write_text(json_text(result, indent=1))
         return result
     finally:
         strategy.close()
+
+
+def validate(cfg: JobConfig, world: World, model, placement, dense, sources, reporter, best: BestKeeper,
+             progress: dict) -> None:
+    """Validation metrics of the current step to the reporter; a step better than every one before
+    it is saved as the best checkpoint (hybridrec.train.best)."""
+    metrics = evaluate(model, placement, sources.valid, sources.label_names, world)
+    if world.leader:
+        reporter.eval_result(progress["step"], metrics, split="valid")
+    in_best = lambda directory: cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"output_dir": str(directory), "keep_checkpoints": 1})})
+    best.consider(progress["step"], metrics, lambda directory: save(in_best(directory), world, placement, dense,
+                                                                   progress))
 
 
 def _run_facts(cfg: JobConfig, world: World, progress: dict, seconds: float, samples: int, staleness: list,

@@ -40,7 +40,10 @@ class _ThroughEmbeddingWorker:
         return pulled
 
     def update(self, looked: Pulled, grads: dict) -> dict:
-        return self.client.push(looked.handle, grads)
+        try:
+            return self.client.push(looked.handle, grads)
+        except TimeoutError:  # the embedding worker died under the push: not retried, it may have been applied
+            return {"unacknowledged": True}
 
     def close(self) -> None:
         self.client.close()
