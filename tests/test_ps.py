@@ -230,3 +230,24 @@ def test_server_command_line_rejects_bad_tables_and_launch_reports_it():
         server_main([])  # no table at all
     with pytest.raises(RuntimeError, match="did not start"):
         launch(["--table", "user:8"], startup_timeout=STARTUP_SECONDS)
+
+
+def test_a_server_killed_under_a_request_is_retried_at_once_and_answers_after_its_restart(tmp_path):
+    """The request's connection closes with the server: the client says so (ConnectionLost) instead
+    of waiting out its timeout, and the retry is answered by the server restarted on that port."""
+    from hybridrec.comm.transport import ConnectionLost
+
+    process, address = start_server_process(tmp_path, "--shm-name", "lost")
+    try:
+        client = Client(address, timeout=120, retries=0)
+        client.request("ping", idempotent=True)
+        os.kill(process.pid, signal.SIGSTOP)  # the next request waits for a reply that never comes
+        threading.Timer(0.5, os.kill, (process.pid, signal.SIGKILL)).start()
+        with pytest.raises(ConnectionLost, match="closed before the reply"):
+            client.request("stats", idempotent=True)
+        process.wait(30)
+        process, _ = start_server_process(tmp_path, "--shm-name", "lost", "--port", address.rsplit(":", 1)[1])
+        assert "user" in client.request("stats", idempotent=True, retries=2).meta["tables"]
+        client.close()
+    finally:
+        stop_process(process)
