@@ -4,6 +4,7 @@ valid name, bad values with what is allowed, and each message names the YAML fil
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import typing
@@ -11,10 +12,13 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
-class ConfigError(ValueError):
+from hybridrec.errors import UserError
+
+
+class ConfigError(UserError):
     """A configuration that cannot run; the message lists every problem with its location."""
 
 
@@ -39,14 +43,52 @@ class SyntheticData(_Section):
     test_rows: int = Field(50_000, ge=1)
 
 
+class _SchemaBase(_Section):
+    def to_schema(self):
+        from hybridrec.data.tabular import TabularSchema
+
+        return TabularSchema(**self.model_dump())
+
+    @model_validator(mode="after")
+    def _check(self):
+        try:
+            self.to_schema()
+        except (TypeError, ValueError) as exc:
+            key = re.match(r"(\w+) ", str(exc))  # the schema's messages start with the key at fault
+            raise ValueError(f"data.schema.{exc}" if key and key.group(1) in type(self).model_fields
+                             else str(exc)) from None
+        return self
+
+
+def _schema_section() -> type[BaseModel]:
+    """data.schema as a validated section whose keys, types and defaults are the fields of
+    hybridrec.data.TabularSchema (one place writes them down); the schema's own checks (repeated
+    columns, header without column_names, ...) run on the whole section."""
+    from hybridrec.data.tabular import TabularSchema
+
+    hints = typing.get_type_hints(TabularSchema)
+    fields = {f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+              for f in dataclasses.fields(TabularSchema)}
+    return create_model("SchemaSection", __base__=_SchemaBase, __doc__=TabularSchema.__doc__, **fields)
+
+
+SchemaSection = _schema_section()
+
+
 class DataConfig(_Section):
     format: Literal["synthetic", "criteo", "avazu", "tabular"] = "synthetic"
     synthetic: SyntheticData = SyntheticData()
     path: Optional[Union[str, list[str]]] = Field(None, description="train file(s); test rows come from the split")
     test_path: Optional[Union[str, list[str]]] = None
-    train_rows: Optional[int] = Field(None, ge=1, description="first N rows train, the rest test")
+    train_rows: Optional[int] = Field(None, ge=1, description="the first N data lines (bad ones included) train, "
+                                      "the rest test")
     test_fraction: Optional[float] = Field(None, gt=0, lt=1, description="the last fraction of rows is the test set")
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    valid_path: Optional[Union[str, list[str]]] = Field(None, description="validation file(s), evaluated at "
+                                                        "train.eval_every")
+    valid_fraction: Optional[float] = Field(None, gt=0, lt=1, description="the last fraction of the training "
+                                            "rows is the validation set")
+    shuffle_buffer: int = Field(0, ge=0, description="training rows mixed by the shuffle buffer; 0 = file order")
+    schema_: Optional[SchemaSection] = Field(None, alias="schema")
     batch_size: int = Field(4096, ge=1, le=1 << 24)
     eval_batch_size: Optional[int] = Field(None, ge=1)
     strict: bool = False
@@ -60,11 +102,30 @@ class DataConfig(_Section):
             raise ValueError(f"data.path is required for format {self.format!r}")
         if self.format == "tabular" and self.schema_ is None:
             raise ValueError("data.schema is required for format 'tabular' (labels, dense, categorical, ...)")
+        if self.schema_ is not None and not self.schema.sparse_feature_names:
+            raise ValueError("data.schema: name at least one sparse column (categorical, multi_categorical or "
+                             "hour_columns); every model embeds sparse features")
+        if self.format != "tabular" and self.schema_ is not None:
+            raise ValueError(f"data.schema describes the columns of format 'tabular'; format {self.format!r} has "
+                             f"its own: remove data.schema or set data.format: tabular")
         if self.format != "synthetic" and self.test_path is None and self.train_rows is None and self.test_fraction is None:
             raise ValueError("say where test rows come from: data.test_path, data.train_rows or data.test_fraction")
         if self.train_rows is not None and self.test_fraction is not None:
             raise ValueError("data.train_rows and data.test_fraction exclude each other")
+        for split in ("train_rows", "test_fraction"):
+            if self.test_path is not None and getattr(self, split) is not None:
+                raise ValueError(f"data.test_path and data.{split} exclude each other: with a test file every row "
+                                 f"of data.path trains; remove one of them")
+        if self.valid_path is not None and self.valid_fraction is not None:
+            raise ValueError("data.valid_path and data.valid_fraction exclude each other")
+        if self.format == "synthetic" and self.valid_path is not None:
+            raise ValueError("data.valid_path is for file formats; synthetic data takes data.valid_fraction")
         return self
+
+    @property
+    def schema(self):
+        """The hybridrec.data.TabularSchema of format 'tabular' (None for the other formats)."""
+        return None if self.schema_ is None else self.schema_.to_schema()
 
 
 # ------------------------------------------------------------------------------------ model
@@ -389,7 +450,7 @@ def parse_config(data: dict, source: str = "<config>", text: str | None = None,
             if err["type"] == "extra_forbidden" and any(w == where for w, _ in problems):
                 continue  # already reported with the closest valid name
             msg = err["msg"].removeprefix("Value error, ")
-            named = re.match(r"(strategy\.\w+): (.*)", msg, re.S)  # an axis error names its own key
+            named = re.match(r"((?:strategy|data\.schema)\.\w+):? (.*)", msg, re.S)  # errors naming their own key
             if named:
                 where, msg = named.groups()
             if err["type"] not in ("value_error", "assertion_error") and "input" in err:

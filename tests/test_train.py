@@ -190,14 +190,16 @@ def test_two_label_columns_train_two_tasks_with_metrics_for_each(tmp_path):
     assert {"click/auc", "click/logloss", "buy/auc", "buy/ne"} <= final.keys()
 
 
-def test_bad_csv_rows_are_counted_and_skipped_not_fatal(tmp_path):
+def test_bad_csv_rows_are_counted_and_skipped_not_fatal_each_in_the_one_split_it_belongs_to(tmp_path, caplog):
     csv = tmp_path / "events.csv"
-    bad = {10: "1,0,cheap,u1,i1,t1", 20: "1,0,3.5,u1", 30: "yes,0,1.0,u2,i2,"}
+    bad = {10: "1,0,cheap,u1,i1,t1", 20: "1,0,3.5,u1", 30: "yes,0,1.0,u2,i2,", 4_500: "no,1,2.0,u3,i3,"}
     write_events(csv, 5_000, bad)
-    result = train(tabular_config(tmp_path, csv, **{"train.epochs": 1}))
-    assert result["bad_rows"] == {"train": 3, "test": 3}  # the test reader also reads the train lines
-    assert result["samples"] == 4_000 - 3  # sample ids count data lines, bad ones included
+    result = train(tabular_config(tmp_path, csv, **{"train.epochs": 2, "train.eval_every": 16}))
+    assert result["bad_rows"] == {"train": 3, "test": 1}
+    assert result["samples"] == 2 * (4_000 - 3)  # train_rows counts data lines, bad ones included
     assert result["click/auc"] > 0.6
+    warned = [r.getMessage() for r in caplog.records if "skipping bad row" in r.getMessage()]
+    assert len(warned) == 4 and all(any(f"events.csv:{line + 2}:" in w for w in warned) for line in bad)
 
 
 def test_strict_data_stops_at_the_first_bad_row_naming_file_and_line(tmp_path):

@@ -117,6 +117,19 @@ class JaggedFeatures:
              for f in range(self.num_features)] or [np.empty(0, np.uint64)])
         return JaggedFeatures(list(self.names), values, offsets)
 
+    def take_rows(self, rows: np.ndarray) -> "JaggedFeatures":
+        """The samples at positions `rows` (any order, repeats allowed), in that order; one
+        vectorised gather per array."""
+        b, f = self.batch_size, self.num_features
+        starts = self.offsets[:-1].reshape(f, b)[:, rows]
+        lengths = self.lengths()[:, rows].ravel()
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # the k-th value of segment s is at starts[s] + k, and lands at offsets[s] + k
+        shift = np.repeat(starts.ravel() - offsets[:-1], lengths)
+        values = self.values[np.arange(offsets[-1], dtype=np.int64) + shift]
+        return JaggedFeatures(list(self.names), values, offsets)
+
     @staticmethod
     def concat(parts: Sequence["JaggedFeatures"]) -> "JaggedFeatures":
         """Stacks the samples of several JaggedFeatures with the same names."""
@@ -179,6 +192,12 @@ class Batch:
     def slice_rows(self, start: int, stop: int) -> "Batch":
         return Batch(self.sparse.slice_rows(start, stop), self.dense[start:stop],
                      self.labels[start:stop], self.sample_ids[start:stop])
+
+    def take_rows(self, rows: np.ndarray) -> "Batch":
+        """The samples at positions `rows` (an int array; any order, repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return Batch(self.sparse.take_rows(rows), self.dense[rows], self.labels[rows],
+                     self.sample_ids[rows])
 
     @staticmethod
     def concat(parts: Sequence["Batch"]) -> "Batch":

@@ -226,11 +226,13 @@ def _count_columns(buf, start, end, delimiter):
 
 @njit(cache=True, nogil=True)
 def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, n_dense,
-                          n_sparse, binary_labels, first_row, block_rows, rank, world_size):
+                          n_sparse, binary_labels, first_row, block_rows, rank, world_size,
+                          row_start, row_stop):
     """Parses the complete lines of buf[:n] (each ending in b'\\n') into row-major arrays.
 
-    Line i is data row `first_row + i`; it is parsed only when
-    `((first_row + i) // block_rows) % world_size == rank` (rank sharding by row blocks).
+    Line i is data row `first_row + i`; it is parsed only when it lies in [row_start,
+    row_stop) and `((first_row + i) // block_rows) % world_size == rank` (rank sharding by
+    row blocks); other lines are neither kept nor reported as bad.
     Column c is handled by kinds[c] and writes output slot slots[c]. Empty dense values are
     0, empty categoricals are missing IDs, blank lines are skipped. A bad row is not kept;
     its line index, column, error code and the byte range of the offending value are
@@ -270,7 +272,7 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
         if line_end > line_start and buf[line_end - 1] == _CARRIAGE_RETURN:
             line_end -= 1
         row = first_row + line
-        mine = (row // block_rows) % world_size == rank
+        mine = row_start <= row < row_stop and (row // block_rows) % world_size == rank
         if not mine or line_end == line_start:
             line_start = next_start
             continue

@@ -11,11 +11,15 @@ Quoted CSV fields are not supported by that kernel. `ParquetReader` streams reco
 with pyarrow. Both shard by rank: data row r belongs to rank `(r // block_rows) % world_size`,
 so the ranks' rows are disjoint and together cover the file; each rank yields batches of
 exactly `batch_size` rows (the last one smaller unless `drop_last`). `sample_ids` are the
-global data-row indices (0-based across all files, header lines not counted).
+global data-row indices (0-based across all files, header lines not counted). A data row is
+a line, good or bad, so `row_range=(start, stop)` keeps the same lines whatever they hold;
+rows outside it are neither parsed nor reported.
 
 Bad rows (wrong column count, non-numeric dense value, bad label) are dropped, counted in
-`reader.bad_rows` and the first few logged with file and line; `strict=True` raises a
-ValueError naming file, line, column and value at the first one.
+`reader.bad_rows` (every pass) and the first few logged with file and line (the first pass
+only, so each bad line is reported once); `strict=True` raises a `UserError` naming file,
+line, column and value at the first one. Files that do not fit the reader or the schema are
+`UserError`s too.
 """
 from __future__ import annotations
 
@@ -31,19 +35,23 @@ import numpy as np
 
 from hybridrec.data import kernels
 from hybridrec.data.batch import Batch, JaggedFeatures, rebatch
+from hybridrec.errors import UserError
 
 log = logging.getLogger(__name__)
 
 DENSE_TRANSFORMS = ("none", "log1p")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+PARQUET_MAGIC = b"PAR1"  # the first (and last) four bytes of every Parquet file
 
 
 def _as_name_tuple(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a list of column names, got {value!r}")
     for item in value:
-        if not isinstance(item, str) or not item:
-            raise TypeError(f"{name} must hold non-empty str column names, got {item!r}")
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must hold str column names, got {item!r}")
+        if not item:
+            raise ValueError(f"{name} must hold non-empty column names, got {item!r}")
     return tuple(value)
 
 
@@ -93,8 +101,8 @@ class TabularSchema:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.header and not self.column_names:
-            raise ValueError("a file without header needs column_names (the names of its "
-                             "columns in order)")
+            raise ValueError("header is false, so column_names must name the file's columns "
+                             "in order (got none)")
         if self.column_names:
             missing = [c for c in used if c not in self.column_names]
             if missing:
@@ -131,8 +139,8 @@ class TabularSchema:
         missing = [c for c in self.labels + self.dense + self.categorical
                    + self.multi_categorical + self.hour_columns if c not in index]
         if missing:
-            raise ValueError(f"{where}: columns {missing} named by the schema are not among "
-                             f"the file's columns {list(column_names)}")
+            raise UserError(f"{where}: columns {missing} named by the schema are not among "
+                            f"the file's columns {list(column_names)}")
         kinds = np.full(len(column_names), kernels.KIND_SKIP, dtype=np.int8)
         slots = np.zeros(len(column_names), dtype=np.int32)
         dense_kind = kernels.KIND_DENSE_LOG1P if self.dense_transform == "log1p" \
@@ -149,6 +157,18 @@ class TabularSchema:
                 kinds[index[name]] = kind
                 slots[index[name]] = first_slot + position * slot_width
         return kinds, slots
+
+
+def check_row_range(row_range) -> tuple[int, int | None]:
+    """(start, stop) of data rows a reader keeps; stop None = to the end."""
+    if not isinstance(row_range, tuple) or len(row_range) != 2:
+        raise TypeError(f"row_range must be a (start, stop) tuple, got {row_range!r}")
+    start, stop = row_range
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"row_range start must be an int >= 0, got {start!r}")
+    if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop < start):
+        raise ValueError(f"row_range stop must be None or an int >= start ({start}), got {stop!r}")
+    return start, stop
 
 
 def check_sharding(batch_size: int, rank: int, world_size: int) -> None:
@@ -198,14 +218,17 @@ class BadRows:
     examples: list[BadRow] = field(default_factory=list)
     max_examples: int = 5
 
-    def record(self, found: int, describe, strict: bool) -> None:
+    def record(self, found: int, describe, strict: bool, warn: bool = True) -> None:
         """Counts `found` bad rows; `describe(i)` builds the BadRow of the i-th one and is
-        called only for those that are raised (strict) or kept as examples and logged."""
+        called only for those that are raised (strict) or kept as examples (and logged when
+        `warn`)."""
         if found and strict:
-            raise ValueError(f"bad row at {describe(0)}")
+            raise UserError(f"bad row at {describe(0)} (data.strict is true: the first bad row "
+                            f"stops the run; set it false to skip and count bad rows)")
         for i in range(min(found, self.max_examples - len(self.examples))):
             self.examples.append(describe(i))
-            log.warning("skipping bad row at %s", self.examples[-1])
+            if warn:
+                log.warning("skipping bad row at %s", self.examples[-1])
         self.count += found
 
 
@@ -215,13 +238,15 @@ class _ShardedReader(abc.ABC):
 
     def __init__(self, paths, schema: TabularSchema, batch_size: int, *, rank: int = 0,
                  world_size: int = 1, block_rows: int | None = None, strict: bool = False,
-                 drop_last: bool = False, max_reported_bad_rows: int = 5) -> None:
+                 drop_last: bool = False, max_reported_bad_rows: int = 5,
+                 row_range: tuple[int, int | None] = (0, None)) -> None:
         if not isinstance(schema, TabularSchema):
             raise TypeError(f"schema must be a TabularSchema, got {type(schema).__name__}")
         check_sharding(batch_size, rank, world_size)
         block_rows = batch_size if block_rows is None else block_rows
         if not isinstance(block_rows, int) or block_rows < 1:
             raise ValueError(f"block_rows must be an int >= 1, got {block_rows!r}")
+        self.row_range = check_row_range(row_range)
         self.paths = _as_paths(paths)
         self.schema = schema
         self.batch_size = batch_size
@@ -232,10 +257,22 @@ class _ShardedReader(abc.ABC):
         self.drop_last = drop_last
         self.max_reported_bad_rows = max_reported_bad_rows
         self.bad_rows = BadRows(max_examples=max_reported_bad_rows)
+        self.rows_read = 0  # this rank's rows in row_range seen in the latest pass, good or bad
+        self.passes = 0
 
     def __iter__(self) -> Iterator[Batch]:
         self.bad_rows = BadRows(max_examples=self.max_reported_bad_rows)
+        self.rows_read = 0
+        self.passes += 1
         return rebatch(self._blocks(), self.batch_size, self.drop_last)
+
+    def _record(self, found: int, describe) -> None:
+        """Counts bad rows every pass and warns about them in the first pass only."""
+        self.bad_rows.record(found, describe, self.strict, warn=self.passes == 1)
+
+    @property
+    def _row_stop(self) -> int:
+        return self.row_range[1] if self.row_range[1] is not None else np.iinfo(np.int64).max
 
     @abc.abstractmethod
     def _blocks(self) -> Iterator[Batch]:
@@ -248,6 +285,12 @@ class DelimitedTextReader(_ShardedReader):
     def __init__(self, paths, schema: TabularSchema, batch_size: int, *,
                  chunk_bytes: int = 8 << 20, **kwargs) -> None:
         super().__init__(paths, schema, batch_size, **kwargs)
+        for path in self.paths:
+            with open(path, "rb") as handle:
+                if handle.read(4) == PARQUET_MAGIC:
+                    raise UserError(f"{path}: this is a Parquet file, and {type(self).__name__} "
+                                    f"reads delimited text; give it a .parquet suffix with data.format "
+                                    f"tabular (the reader is chosen by the suffix)")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ValueError(f"chunk_bytes must be an int >= 64, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
@@ -276,7 +319,8 @@ class DelimitedTextReader(_ShardedReader):
         self.bytes_read += len(line)
         text = line.decode("utf-8", errors="replace").rstrip("\r\n")
         if not text:
-            raise ValueError(f"{path}:1: expected a header line, the file is empty")
+            raise UserError(f"{path}:1: expected a header line (data.schema.header is true), the "
+                            f"file is empty")
         return text.split(self.schema.delimiter), 1
 
     def _complete_lines(self, handle) -> Iterator[tuple[np.ndarray, int]]:
@@ -310,18 +354,24 @@ class DelimitedTextReader(_ShardedReader):
         schema = self.schema
         names = schema.sparse_feature_names
         first_row = 0
+        start, stop = self.row_range[0], self._row_stop
         for path in self.paths:
+            if first_row >= stop:
+                return
             with open(path, "rb") as handle:
                 columns, first_line = self._column_names(handle, path)
                 kinds, slots = schema.column_layout(columns, str(path))
                 first_line += 1
                 for buffer, n in self._complete_lines(handle):
+                    if first_row >= stop:
+                        return
                     (labels, dense, id_starts, id_counts, ids, rows, bad,
                      lines) = kernels.parse_delimited_lines(
                         buffer, n, ord(schema.delimiter), ord(schema.multi_separator), kinds,
                         slots, len(schema.labels), len(schema.dense), len(names),
                         schema.binary_labels, first_row, self.block_rows, self.rank,
-                        self.world_size)
+                        self.world_size, start, stop)
+                    self.rows_read += len(rows) + len(bad)
                     if len(bad):
                         self._record_bad_rows(path, columns, buffer, bad, first_line)
                     if len(rows):
@@ -345,7 +395,7 @@ class DelimitedTextReader(_ShardedReader):
                 reason = kernels.ERROR_REASONS[code]
             return BadRow(str(path), first_line + line, where, value, reason)
 
-        self.bad_rows.record(len(bad), describe, self.strict)
+        self._record(len(bad), describe)
 
 
 class ParquetReader(_ShardedReader):
@@ -358,35 +408,42 @@ class ParquetReader(_ShardedReader):
     def __init__(self, paths, schema: TabularSchema, batch_size: int, **kwargs) -> None:
         super().__init__(paths, schema, batch_size, **kwargs)
         if schema.hour_columns:
-            raise ValueError(f"hour_columns {list(schema.hour_columns)} are supported by the "
-                             f"delimited-text reader only")
+            raise UserError(f"data.schema.hour_columns {list(schema.hour_columns)} are read from "
+                            f"delimited text only, not from Parquet files")
+        for path in self.paths:
+            _open_parquet(path)
 
     def count_rows(self) -> int:
         import pyarrow.parquet as pq
 
-        return sum(pq.ParquetFile(path).metadata.num_rows for path in self.paths)
+        return sum(_open_parquet(path).metadata.num_rows for path in self.paths)
 
     def _blocks(self) -> Iterator[Batch]:
-        import pyarrow.parquet as pq
-
         schema = self.schema
         wanted = list(schema.labels + schema.dense + schema.categorical
                       + schema.multi_categorical)
         first_row = 0
+        start, stop = self.row_range[0], self._row_stop
         for path in self.paths:
+            if first_row >= stop:
+                return
             file_first_row = first_row
-            parquet = pq.ParquetFile(path)
+            parquet = _open_parquet(path)
             missing = [c for c in wanted if c not in parquet.schema_arrow.names]
             if missing:
-                raise ValueError(f"{path}: columns {missing} named by the schema are not "
-                                 f"among the file's columns {parquet.schema_arrow.names}")
+                raise UserError(f"{path}: columns {missing} named by the schema are not "
+                                f"among the file's columns {parquet.schema_arrow.names}")
             for record_batch in parquet.iter_batches(batch_size=self.block_rows,
                                                      columns=wanted):
+                if first_row >= stop:
+                    return
                 rows = first_row + np.arange(record_batch.num_rows, dtype=np.int64)
                 first_row += record_batch.num_rows
-                mine = (rows // self.block_rows) % self.world_size == self.rank
+                mine = ((rows // self.block_rows) % self.world_size == self.rank) \
+                    & (rows >= start) & (rows < stop)
                 if not mine.any():
                     continue
+                self.rows_read += int(mine.sum())
                 batch = self._to_batch(record_batch.filter(mine), rows[mine], path,
                                        file_first_row)
                 if len(batch):
@@ -403,9 +460,9 @@ class ParquetReader(_ShardedReader):
         if schema.binary_labels:
             bad |= ~np.isin(labels, (0.0, 1.0)).all(axis=1)
         bad_rows = np.flatnonzero(bad)
-        self.bad_rows.record(len(bad_rows), lambda i: BadRow(
+        self._record(len(bad_rows), lambda i: BadRow(
             f"{path} (row)", int(rows[bad_rows[i]]) - file_first_row + 1, "label", str(labels[bad_rows[i]].tolist()),
-            kernels.ERROR_REASONS[kernels.ERROR_BAD_LABEL]), self.strict)
+            kernels.ERROR_REASONS[kernels.ERROR_BAD_LABEL]))
         dense = np.zeros((table.num_rows, len(schema.dense)), dtype=np.float32)
         for j, column in enumerate(schema.dense):
             values = pc.fill_null(pc.cast(table.column(column), pa.float64()), 0.0)
@@ -438,7 +495,20 @@ class ParquetReader(_ShardedReader):
         else:
             sparse = JaggedFeatures([], np.empty(0, np.uint64), np.zeros(1, np.int64))
         batch = Batch(sparse, dense, labels, rows.astype(np.uint64))
-        return batch if keep.all() else _take_rows(batch, np.flatnonzero(keep))
+        return batch if keep.all() else batch.take_rows(np.flatnonzero(keep))
+
+
+def _open_parquet(path: Path):
+    """pyarrow's ParquetFile of `path`; a file that is not Parquet is a UserError."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise UserError(f"{path}: not a Parquet file ({exc}); files ending in "
+                        f"{' or '.join(PARQUET_SUFFIXES)} are read as Parquet, others as delimited "
+                        f"text") from None
 
 
 def _hash_strings(array, field_index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -456,16 +526,6 @@ def _hash_strings(array, field_index: int) -> tuple[np.ndarray, np.ndarray]:
         else np.empty(0, np.uint8)
     valid = strings.is_valid().to_numpy(zero_copy_only=False)
     return kernels.hash_string_column(data, offsets, valid, field_index)
-
-
-def _take_rows(batch: Batch, rows: np.ndarray) -> Batch:
-    """The given rows (sorted indices) of a batch, via contiguous runs."""
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    runs = np.split(rows, breaks)
-    parts = [batch.slice_rows(int(run[0]), int(run[-1]) + 1) for run in runs if len(run)]
-    if not parts:
-        return batch.slice_rows(0, 0)
-    return Batch.concat(parts)
 
 
 def tabular_reader(paths, schema: TabularSchema | dict, batch_size: int, **kwargs):

@@ -1,9 +1,13 @@
-"""Turns the `data` section of a job config into train and test batch sources.
+"""Turns the `data` section of a job config into train, validation and test batch sources.
 
-Knows each format's reader and how test rows are chosen (a separate file, the first N rows as
-train, or the last fraction). Also reports what the model needs to know about the data: sparse
-feature names, number of dense features and of tasks; and for synthetic data the planted
-model's AUC on the test rows, the best a learned model can expect.
+Knows each format's reader and how held-out rows are chosen: test rows from a separate file,
+the first N data lines as train (`train_rows`, bad lines included, so the split falls at the
+same line whatever the lines hold) or the last fraction; validation rows from a separate file
+or the last fraction of the training rows. Each reader reads only its own rows, so a bad line
+is counted and reported once, by the split it belongs to. Training rows go through the shuffle
+buffer when `data.shuffle_buffer` is set. Also reports what the model needs to know about the
+data: sparse feature names, number of dense features and of tasks; and for synthetic data the
+planted model's AUC on the test rows, the best a learned model can expect.
 """
 from __future__ import annotations
 
@@ -13,11 +17,14 @@ from pathlib import Path
 from typing import Iterable
 
 from hybridrec.config import ConfigError, DataConfig
-from hybridrec.data import (AvazuReader, CriteoReader, DelimitedTextReader, ParquetReader, SyntheticConfig,
-                            SyntheticReader, TabularSchema, planted_auc, split_first_rows, split_fraction)
-from hybridrec.data.criteo import CRITEO_SCHEMA
+from hybridrec.data import (AvazuReader, CriteoReader, SyntheticConfig, SyntheticReader, TabularSchema, planted_auc,
+                            tabular_reader)
 from hybridrec.data.avazu import avazu_schema
-from hybridrec.data.tabular import PARQUET_SUFFIXES
+from hybridrec.data.criteo import CRITEO_SCHEMA
+from hybridrec.data.shuffle import ShuffleBuffer
+from hybridrec.errors import UserError
+
+SPLITS = ("train", "valid", "test")
 
 
 @dataclasses.dataclass
@@ -29,8 +36,11 @@ class DataSources:
     label_names: list[str]
     best_auc: float | None = None  # synthetic data only: the planted model's test AUC
     train_rows: int | None = None  # rows in the training split when known without reading it (all ranks)
-    train_reader: object = None  # the file readers under train/test (they count bad rows)
+    train_reader: object = None  # the readers under train/valid/test (file readers count bad rows)
     test_reader: object = None
+    valid: Iterable | None = None  # the validation rows, None without data.valid_path / valid_fraction
+    valid_reader: object = None
+    train_paths: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def num_tasks(self) -> int:
@@ -38,9 +48,29 @@ class DataSources:
 
     def bad_rows(self) -> dict:
         """Rows the file readers skipped as malformed in their latest pass (train: the last epoch;
-        test: the last evaluation, which with a row split reads the whole file)."""
-        return {split: getattr(getattr(reader, "bad_rows", None), "count", 0)
-                for split, reader in (("train", self.train_reader), ("test", self.test_reader))}
+        valid and test: the last evaluation), each line counted by the one split it belongs to."""
+        return {split: getattr(getattr(getattr(self, f"{split}_reader"), "bad_rows", None), "count", 0)
+                for split in SPLITS if split != "valid" or self.valid is not None}
+
+    def no_training_rows(self, rank: int = 0, world_size: int = 1) -> UserError:
+        """The error of a run that took no training step: what the training reader read and
+        rejected, with the first reasons."""
+        if world_size > 1:
+            return UserError(f"trainer {rank} of {world_size}: no training step was taken; some trainer got no "
+                             "training batch (the rows are dealt to trainers in blocks, so a small data set may "
+                             "leave one with none): use more rows or fewer trainers")
+        reader = self.train_reader
+        read, bad = getattr(reader, "rows_read", 0), getattr(getattr(reader, "bad_rows", None), "count", 0)
+        start, stop = getattr(reader, "row_range", (0, None))
+        rows = f"data lines {start}..{stop - 1}" if stop is not None else "every data line"
+        message = (f"no training rows: {rows} of data.path {self.train_paths} gave {read} rows, "
+                   f"{bad} of them rejected")
+        examples = getattr(getattr(reader, "bad_rows", None), "examples", [])
+        if examples:
+            message += "; the first: " + "; ".join(str(e) for e in examples)
+        elif read == 0:
+            message += " (is the file empty, or only a header?)"
+        return UserError(message)
 
 
 def _synthetic_config(cfg: DataConfig) -> SyntheticConfig:
@@ -50,21 +80,19 @@ def _synthetic_config(cfg: DataConfig) -> SyntheticConfig:
     return SyntheticConfig(**fields)
 
 
-def _file_reader(cfg: DataConfig, paths, batch_size: int, rank: int, world_size: int):
-    common = dict(rank=rank, world_size=world_size, strict=cfg.strict)
+def _file_reader(cfg: DataConfig, paths, batch_size: int, rank: int = 0, world_size: int = 1,
+                 row_range: tuple[int, int | None] = (0, None)):
+    common = dict(rank=rank, world_size=world_size, strict=cfg.strict, row_range=row_range)
     if cfg.format == "criteo":
         return CriteoReader(paths, batch_size, **common)
     if cfg.format == "avazu":
         return AvazuReader(paths, batch_size, **common)
-    schema = TabularSchema.from_dict(dict(cfg.schema_))
-    first = paths[0] if isinstance(paths, list) else paths
-    reader_cls = ParquetReader if str(first).lower().endswith(PARQUET_SUFFIXES) else DelimitedTextReader
-    return reader_cls(paths, schema, batch_size, **common)
+    return tabular_reader(paths, cfg.schema, batch_size, **common)
 
 
 def _check_paths(cfg: DataConfig) -> None:
     """Every data file exists; relative paths are taken from the current directory."""
-    for key in ("path", "test_path"):
+    for key in ("path", "test_path", "valid_path"):
         value = getattr(cfg, key)
         for path in [value] if isinstance(value, str) else value or []:
             if not Path(path).is_file():
@@ -77,7 +105,7 @@ def _schema(cfg: DataConfig) -> TabularSchema:
         return CRITEO_SCHEMA
     if cfg.format == "avazu":
         return avazu_schema()
-    return TabularSchema.from_dict(dict(cfg.schema_))
+    return cfg.schema
 
 
 def data_layout(cfg: DataConfig) -> tuple[list[str], int, list[str]]:
@@ -90,33 +118,52 @@ def data_layout(cfg: DataConfig) -> tuple[list[str], int, list[str]]:
     return list(schema.sparse_feature_names), len(schema.dense), list(schema.labels)
 
 
+def _held_out(rows: int, fraction: float | None) -> int:
+    """Rows of `rows` that the last `fraction` takes (0 without a fraction)."""
+    return 0 if fraction is None else int(round(rows * fraction))
+
+
+def _shuffled(cfg: DataConfig, train: Iterable, seed: int) -> Iterable:
+    return ShuffleBuffer(train, cfg.shuffle_buffer, cfg.batch_size, seed) if cfg.shuffle_buffer else train
+
+
 def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1,
                   with_best_auc: bool = True) -> DataSources:
-    """Train and test sources for this rank (test is read whole by every rank)."""
+    """Train, validation and test sources for this rank (validation and test are read whole by
+    every rank)."""
     eval_bs = cfg.eval_batch_size or cfg.batch_size
     if cfg.format == "synthetic":
         syn = _synthetic_config(cfg)
         rows = cfg.synthetic.train_rows
-        train = SyntheticReader(syn, rows, cfg.batch_size, seed=seed, rank=rank, world_size=world_size)
+        held = _held_out(rows, cfg.valid_fraction)
+        train = SyntheticReader(syn, rows - held, cfg.batch_size, seed=seed, rank=rank, world_size=world_size)
+        valid = SyntheticReader(syn, held, eval_bs, seed=seed, first_row=rows - held) if cfg.valid_fraction else None
         test = SyntheticReader(syn, cfg.synthetic.test_rows, eval_bs, seed=seed, first_row=rows)
         best = planted_auc(syn, cfg.synthetic.test_rows, seed=seed, first_row=rows) if with_best_auc else None
-        return DataSources(train, test, list(syn.sparse_names), syn.n_dense, ["label"], best, train_rows=rows)
+        return DataSources(_shuffled(cfg, train, seed), test, list(syn.sparse_names), syn.n_dense, ["label"], best,
+                           train_rows=rows - held, train_reader=train, test_reader=test, valid=valid,
+                           valid_reader=valid)
     _check_paths(cfg)
     schema = _schema(cfg)
-    train_reader = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size)
-    train_rows = cfg.train_rows
+    # the data lines of data.path that train (and validate): [0, stop), stop None = every line
     if cfg.test_path is not None:
-        test_reader = _file_reader(cfg, cfg.test_path, eval_bs, 0, 1)
-        train, test = train_reader, test_reader
+        test = _file_reader(cfg, cfg.test_path, eval_bs)
+        stop = None
     else:
-        test_reader = _file_reader(cfg, cfg.path, eval_bs, 0, 1)
-        if cfg.train_rows is not None:
-            train, _ = split_first_rows(train_reader, cfg.train_rows)
-            _, test = split_first_rows(test_reader, cfg.train_rows)
-        else:
-            total = test_reader.count_rows()
-            train, _ = split_fraction(train_reader, cfg.test_fraction, total)
-            _, test = split_fraction(test_reader, cfg.test_fraction, total)
-            train_rows = train.stop
-    return DataSources(train, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels),
-                       train_rows=train_rows, train_reader=train_reader, test_reader=test_reader)
+        stop = cfg.train_rows
+        if stop is None:
+            total = _file_reader(cfg, cfg.path, eval_bs).count_rows()
+            stop = int(round(total * (1.0 - cfg.test_fraction)))
+        test = _file_reader(cfg, cfg.path, eval_bs, row_range=(stop, None))
+    valid = None
+    if cfg.valid_path is not None:
+        valid = _file_reader(cfg, cfg.valid_path, eval_bs)
+    elif cfg.valid_fraction is not None:
+        rows = stop if stop is not None else _file_reader(cfg, cfg.path, eval_bs).count_rows()
+        stop = rows - _held_out(rows, cfg.valid_fraction)
+        valid = _file_reader(cfg, cfg.path, eval_bs, row_range=(stop, rows))
+    train = _file_reader(cfg, cfg.path, cfg.batch_size, rank, world_size, row_range=(0, stop))
+    paths = [cfg.path] if isinstance(cfg.path, str) else list(cfg.path)
+    return DataSources(_shuffled(cfg, train, seed), test, schema.sparse_feature_names, len(schema.dense),
+                       list(schema.labels), train_rows=stop, train_reader=train, test_reader=test, valid=valid,
+                       valid_reader=valid, train_paths=paths)

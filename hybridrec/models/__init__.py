@@ -13,7 +13,8 @@ from hybridrec.models.fm import FactorizationMachine, PairwiseInteraction
 from hybridrec.models.lr import FirstOrderTerm, LogisticRegression
 from hybridrec.models.mlp import MLP, GroupedLinear, GroupedMLP
 from hybridrec.models.multitask import MULTITASK_KINDS, TaskHead
-from hybridrec.models.registry import MODELS, build_model, model_class, model_hparams
+from hybridrec.models.registry import (HPARAM_HELP, MODELS, HyperParameterError, build_model, describe_models,
+                                       model_class, model_hparams)
 from hybridrec.models.wide_deep import WideAndDeep
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "DeepFM",
     "FactorizationMachine",
     "FirstOrderTerm",
+    "HPARAM_HELP",
+    "HyperParameterError",
     "GroupedLinear",
     "GroupedMLP",
     "LogisticRegression",
@@ -34,6 +37,7 @@ __all__ = [
     "TaskHead",
     "WideAndDeep",
     "build_model",
+    "describe_models",
     "model_class",
     "model_hparams",
 ]

@@ -5,14 +5,19 @@
 
 The hyper-parameters are read from the model constructors' keyword-only arguments (plus
 the `TaskHead` options for models that forward them), so the constructor signatures are
-the one place where names and defaults are written down.
+the one place where names and defaults are written down; `HPARAM_HELP` says what each one
+does (`hybridrec models` prints both). A bad value given to `build_model` is a `UserError`
+naming the config key, e.g. `model.hparams.hidden`.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from typing import Any
+
+from hybridrec.errors import UserError
 
 from hybridrec.models.base import CTRModel
 from hybridrec.models.dcn import DCN
@@ -34,6 +39,25 @@ MODELS: dict[str, type[CTRModel]] = {
 
 # Arguments of TaskHead that the model sets itself rather than taking from the user.
 _HEAD_ARGS_SET_BY_MODEL = {"dropout"}
+
+# What each hyper-parameter does (every model's hyper-parameters must have an entry).
+HPARAM_HELP = {
+    "hidden": "sizes of the deep MLP's ReLU layers (DCN: may be empty for a cross-only model)",
+    "dropout": "dropout probability after every hidden layer, in [0, 1)",
+    "cross_layers": "number of full-rank cross layers (DCN-v2)",
+    "structure": "'parallel' (cross network beside the MLP) or 'stacked' (MLP on the cross network)",
+    "bottom_mlp": "layer sizes of the MLP on the dense features; the last must equal model.embedding_dim "
+                  "(null: [64, embedding_dim])",
+    "top_mlp": "layer sizes of the MLP on the interactions",
+    "multitask": "output head: 'shared_bottom' (one tower per task) or 'mmoe' (experts mixed by per-task gates)",
+    "tower_hidden": "layer sizes of each task's tower before its logit (empty: one linear layer)",
+    "num_experts": "mmoe: number of expert MLPs",
+    "expert_hidden": "mmoe: layer sizes of each expert MLP",
+}
+
+
+class HyperParameterError(UserError):
+    """A hyper-parameter value a model refuses; the message starts with `model.hparams.<name>`."""
 
 
 def _keyword_defaults(function: Any) -> dict[str, Any]:
@@ -80,4 +104,27 @@ def build_model(
                 f"unknown hyper-parameter {key!r} for model {name!r}; {hint}"
                 f"accepted: {sorted(accepted) if accepted else 'none (this model has no hyper-parameters)'}"
             )
-    return model_class(name)(num_sparse, embedding_dim, num_dense, num_tasks, **hparams)
+    try:
+        return model_class(name)(num_sparse, embedding_dim, num_dense, num_tasks, **hparams)
+    except (TypeError, ValueError) as exc:
+        key = re.match(r"(\w+) ", str(exc))
+        if key is None or key.group(1) not in accepted or isinstance(exc, UserError):
+            raise
+        # keep the original class too (TypeError or ValueError) for callers that catch it
+        error_type = type("HyperParameterError", (HyperParameterError, type(exc)), {})
+        raise error_type(f"model.hparams.{exc}") from None
+
+
+def describe_models() -> str:
+    """Every model with its hyper-parameters, their defaults and what they do (what
+    `hybridrec models` prints)."""
+    lines = []
+    for name, cls in MODELS.items():
+        lines.append(f"{name}: {(cls.__doc__ or '').strip().splitlines()[0]}")
+        hparams = model_hparams(name)
+        if not hparams:
+            lines.append("  (no hyper-parameters)")
+        for key, default in hparams.items():
+            shown = list(default) if isinstance(default, tuple) else default
+            lines.append(f"  {key} = {shown!r}: {HPARAM_HELP[key]}")
+    return "\n".join(lines)
