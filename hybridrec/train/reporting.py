@@ -1,5 +1,9 @@
 """What a training run tells the user: a progress bar with live loss and AUC, metrics as JSON
-lines in `<output_dir>/metrics.jsonl`, and TensorBoard scalars when TensorBoard is installed."""
+lines in `<output_dir>/metrics.jsonl`, and TensorBoard scalars when TensorBoard is installed.
+
+Metrics files are strict JSON: a metric that is not a number (the AUC of a set with one class,
+anything of an empty set) is written as null, never as the bare NaN that JSON does not have
+(`json_text` does this for every file a run writes)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +16,25 @@ import numpy as np
 from hybridrec.metrics import auc
 
 _WINDOW = 50  # batches in the running training AUC
+
+
+def finite(value):
+    """`value` with every float that is not finite (NaN, inf) replaced by None, in nested
+    dicts, lists and tuples too."""
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def json_text(value, **kwargs) -> str:
+    """Strict JSON of `value` (non-finite floats as null; see `finite`)."""
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
 class Reporter:
@@ -41,7 +64,7 @@ class Reporter:
                 print("tensorboard is not installed; metrics go to metrics.jsonl only")
 
     def _write(self, record: dict) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json_text(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
@@ -64,11 +87,11 @@ class Reporter:
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{run_loss:.4f}", auc=f"{run_auc:.4f}")
 
-    def eval_result(self, step: int, metrics: dict) -> None:
-        self._write({"split": "test", "step": step, **metrics})
+    def eval_result(self, step: int, metrics: dict, split: str = "test") -> None:
+        self._write({"split": split, "step": step, **metrics})
         if self._bar is not None:
-            self._bar.write(f"step {step}: test " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
-                                                               if isinstance(v, float)))
+            self._bar.write(f"step {step}: {split} " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
+                                                                 if isinstance(v, float)))
 
     def final(self, step: int, result: dict) -> None:
         self._write({"split": "final", "step": step, **{k: v for k, v in result.items()
