@@ -20,6 +20,16 @@ difference is the codec's own. With 2 workers the order in which updates reach t
 and run-to-run noise (~0.002 AUC) hides a cost of 0.0005. The issue's target: >= 3x fewer bytes
 than int64 keys + fp32 rows, AUC cost < 0.0005.
 
+`--seeds 0,1,2` runs every variant once per seed (`--set seed=S`: data, dense and embedding
+initialisation; `--runs` times each, default 1 with seeds), and reports medians with their spread
+(`auc_min` / `auc_max`, `samples_per_s_min` / `_max`) and the per-seed paired AUC differences.
+
+`--emulate-hosts N --bandwidth RATE[,RATE...] --latency MS --place ...` run every job on emulated
+hosts (`hybridrec.parallel.emulated_hosts`); several rates make a sweep, one report per rate
+(the JSON line then holds them under `points`). `--plot FILE.png` draws the sweep (needs
+matplotlib, in the `bench` extra): AUC and samples/s of each discipline, or samples/s and bytes
+per sample of each codec, per rate, medians with min-max bars.
+
 `--json` prints one JSON line. A job that fails is an error naming the discipline (or codec
 pair) and the launcher's exit code, with the launcher's output.
 """
@@ -37,6 +47,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hybridrec.benchmarks.timing import positive_int
+from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
 
 # Persia's disciplines as strategy axes: the bench's variants
 DISCIPLINES = {"sync": ["strategy.consistency=sync", "strategy.dense=allreduce"],
@@ -64,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "under three wire codecs) and compares AUC, samples/s, staleness and bytes.")
     parser.add_argument("--config", default=DEFAULT_CONFIG,
                         help=f"job config (strategy.preset persia), default {DEFAULT_CONFIG}")
-    parser.add_argument("--runs", type=positive_int, default=3, help="jobs per variant (default 3)")
+    parser.add_argument("--runs", type=positive_int, default=None,
+                        help="jobs per variant (and seed); default 3, 1 with --seeds")
+    parser.add_argument("--seeds", type=_seed_list, default=None, metavar="S,S,...",
+                        help="run every variant once per seed (config key seed); medians with min/max")
     parser.add_argument("--ps", type=positive_int, default=2, help="PS servers (default 2)")
     parser.add_argument("--embedding-workers", type=positive_int, default=1,
                         help="embedding workers (default 1)")
@@ -80,7 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: a temporary directory, deleted at the end)")
     parser.add_argument("--verbose", action="store_true", help="show the launcher's output of every job")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the results per bandwidth (needs matplotlib)")
+    add_emulation_arguments(parser, sweep=True)
     return parser
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(item) for item in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds >= 0 separated by commas (e.g. 0,1,2), got {text!r}")
+    return seeds
 
 
 def _finite(value) -> bool:
@@ -92,15 +118,17 @@ def _median(values: Sequence) -> float | None:
     return statistics.median(finite) if finite else None
 
 
-def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_dir: Path) -> dict:
-    """One launch of the job with `overrides` after the user's --set; its final metrics."""
+def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_dir: Path,
+            emulation=None) -> dict:
+    """One launch of the job with `overrides` after the user's --set (on `emulation`'s hosts when
+    given); its final metrics."""
     from hybridrec.parallel.launch import launch
 
     log = io.StringIO()
     sets = [*args.set, *overrides, f"train.output_dir={output_dir}"]
     code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers,
                   trainers=args.trainers, overrides=sets, overwrite=True,
-                  timeout=args.timeout, out=log)
+                  timeout=args.timeout, out=log, emulation=emulation)
     text = log.getvalue()
     if args.verbose:
         print(text, file=sys.stderr, end="", flush=True)
@@ -120,16 +148,24 @@ def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_d
     return metrics
 
 
-def run_variants(args: argparse.Namespace, variants: dict[str, list[str]], root: Path) -> dict[str, list[dict]]:
-    """Every variant `--runs` times, interleaved; the per-run metrics of each variant."""
+def run_variants(args: argparse.Namespace, variants: dict[str, list[str]], root: Path,
+                 emulation=None) -> dict[str, list[dict]]:
+    """Every variant `--runs` times per seed, interleaved (seed, run, then variant: the i-th jobs of
+    the variants pair up); the per-job metrics of each variant, each with its `seed`."""
     results: dict[str, list[dict]] = {name: [] for name in variants}
-    for run in range(args.runs):
-        for name, overrides in variants.items():
-            metrics = run_job(args, name, overrides, root / f"{name}-run{run}")
-            results[name].append(metrics)
-            print(f"[bench hybrid] {name} run {run + 1}/{args.runs}: auc {_fmt(metrics.get('auc'), 5)} "
-                  f"samples/s {_fmt(metrics.get('train_samples_per_s'), 0)} "
-                  f"bytes/sample {_fmt(metrics.get('bytes_per_sample'), 0)}", file=sys.stderr, flush=True)
+    seeds = args.seeds or [None]
+    for seed in seeds:
+        for run in range(args.runs):
+            for name, overrides in variants.items():
+                tag = f"{name}-run{run}" if seed is None else f"{name}-seed{seed}-run{run}"
+                seeded = overrides if seed is None else [*overrides, f"seed={seed}"]
+                metrics = run_job(args, name, seeded, root / tag.replace("/", "_"), emulation)
+                metrics["seed"] = seed
+                results[name].append(metrics)
+                where = "" if seed is None else f"seed {seed} "
+                print(f"[bench hybrid] {name} {where}run {run + 1}/{args.runs}: auc {_fmt(metrics.get('auc'), 5)} "
+                      f"samples/s {_fmt(metrics.get('train_samples_per_s'), 0)} "
+                      f"bytes/sample {_fmt(metrics.get('bytes_per_sample'), 0)}", file=sys.stderr, flush=True)
     return results
 
 
@@ -142,8 +178,17 @@ def summarize_variant(runs: list[dict]) -> dict:
     summary["dropped_updates"] = sum(r.get("dropped_updates") or 0 for r in runs)
     summary["tau"] = (runs[0].get("strategy") or {}).get("tau") if runs else None
     summary["strategy"] = runs[0].get("strategy") if runs else None
-    summary["runs"] = [{name: r.get(key) for key, name in METRICS.items()} for r in runs]
+    for key, name in (("auc", "auc"), ("train_samples_per_s", "samples_per_s")):
+        finite = [float(r[key]) for r in runs if _finite(r.get(key))]
+        summary[f"{name}_min"], summary[f"{name}_max"] = (min(finite), max(finite)) if finite else (None, None)
+    summary["runs"] = [{**{name: r.get(key) for key, name in METRICS.items()}, "seed": r.get("seed")} for r in runs]
     return summary
+
+
+def spread(values: Sequence) -> dict:
+    """Median, min and max of the finite values."""
+    finite = [float(v) for v in values if _finite(v)]
+    return {"median": _median(finite), "min": min(finite, default=None), "max": max(finite, default=None)}
 
 
 def paired(runs_a: list[dict], runs_b: list[dict], key: str, op) -> float | None:
@@ -177,18 +222,28 @@ def disciplines_report(raw: dict[str, list[dict]]) -> dict:
                                                 if report["hybrid_minus_sync_auc"] is not None else None)
     report["async_minus_sync_auc"] = (report["async"]["auc"] - sync["auc"]
                                       if _finite(report["async"]["auc"]) and _finite(sync["auc"]) else None)
+    for name in ("hybrid", "async"):  # job by job (same seed): the seeds' own spread cancels
+        report[f"{name}_minus_sync_auc_paired"] = spread(
+            [a["auc"] - b["auc"] for a, b in zip(raw[name], raw["sync"]) if _finite(a.get("auc")) and _finite(b.get("auc"))])
     report["hybrid_vs_sync_samples_per_s"] = paired(raw["hybrid"], raw["sync"], "train_samples_per_s", _ratio)
     report["async_vs_sync_samples_per_s"] = paired(raw["async"], raw["sync"], "train_samples_per_s", _ratio)
     return report
 
 
-def print_disciplines(report: dict, runs: int) -> None:
-    print(f"sync vs hybrid vs async, medians of {runs} run(s)")
-    print(f"{'discipline':<10} {'auc':>8} {'logloss':>8} {'samples/s':>10} {'max stale':>9} "
+def _range(summary: dict, name: str, digits: int) -> str:
+    low, high = summary.get(f"{name}_min"), summary.get(f"{name}_max")
+    return "" if low is None or low == high else f" ({_fmt(low, digits)}-{_fmt(high, digits)})"
+
+
+def print_disciplines(report: dict) -> None:
+    jobs = len(report["sync"]["runs"])
+    print(f"sync vs hybrid vs async{_where(report)}, medians of {jobs} job(s) each (min-max)")
+    print(f"{'discipline':<10} {'auc':>24} {'logloss':>8} {'samples/s':>18} {'max stale':>9} "
           f"{'mean stale':>10} {'bytes/sample':>12}")
     for name in DISCIPLINES:
         r = report[name]
-        print(f"{name:<10} {_fmt(r['auc']):>8} {_fmt(r['logloss']):>8} {_fmt(r['samples_per_s'], 0):>10} "
+        print(f"{name:<10} {_fmt(r['auc']) + _range(r, 'auc', 4):>24} {_fmt(r['logloss']):>8} "
+              f"{_fmt(r['samples_per_s'], 0) + _range(r, 'samples_per_s', 0):>18} "
               f"{_fmt(r['max_staleness']):>9} {_fmt(r['mean_staleness'], 2):>10} "
               f"{_fmt(r['bytes_per_sample'], 0):>12}")
     if report["sync"]["best_auc"] is not None:
@@ -197,8 +252,16 @@ def print_disciplines(report: dict, runs: int) -> None:
     print(f"hybrid - sync AUC: {_fmt(report['hybrid_minus_sync_auc'], 5)}"
           f" ({'-' if rel is None else f'{100 * rel:+.3f}%'}); "
           f"async - sync AUC: {_fmt(report['async_minus_sync_auc'], 5)}")
+    for name in ("hybrid", "async"):
+        d = report[f"{name}_minus_sync_auc_paired"]
+        print(f"{name} - sync AUC job by job: median {_fmt(d['median'], 5)}, min {_fmt(d['min'], 5)}, "
+              f"max {_fmt(d['max'], 5)}")
     print(f"samples/s hybrid/sync: {_fmt(report['hybrid_vs_sync_samples_per_s'], 2)}; "
           f"async/sync: {_fmt(report['async_vs_sync_samples_per_s'], 2)}")
+
+
+def _where(report: dict) -> str:
+    return f" on {report['emulation']}" if report.get("emulation") else ""
 
 
 def codec_name(ids: str, values: str) -> str:
@@ -222,8 +285,9 @@ def codecs_report(raw: dict[str, list[dict]]) -> dict:
     return report
 
 
-def print_codecs(report: dict, runs: int) -> None:
-    print(f"wire codecs under the sync discipline, medians of {runs} run(s)")
+def print_codecs(report: dict) -> None:
+    jobs = len(report[codec_name(*CODECS[0])]["runs"])
+    print(f"wire codecs under the sync discipline{_where(report)}, medians of {jobs} job(s)")
     print(f"{'ids/values':<12} {'bytes/sample':>12} {'x fewer':>8} {'auc':>8} {'auc - none':>10} "
           f"{'logloss':>8} {'samples/s':>10}")
     for ids, values in CODECS:
@@ -235,8 +299,20 @@ def print_codecs(report: dict, runs: int) -> None:
           f"{'met' if report['target_met'] else 'NOT met'}")
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
-    """Runs every job and returns the report; JobFailed when one of them fails."""
+def sweep(args: argparse.Namespace) -> list:
+    """The emulated hosts of each --bandwidth rate (one None: this machine's loopback);
+    ValueError naming the flag when they cannot be had."""
+    from hybridrec.parallel.emulated_hosts import check_support, from_arguments
+
+    rates = args.bandwidth.split(",") if args.bandwidth else [None]
+    points = [from_arguments(argparse.Namespace(**{**vars(args), "bandwidth": rate})) for rate in rates]
+    if points[0] is not None:
+        check_support()
+    return points
+
+
+def run_benchmark(args: argparse.Namespace, points: Sequence = (None,)) -> list[dict]:
+    """Runs every job at each point of the sweep; one report per point. JobFailed when a job fails."""
     from hybridrec.parallel.launch import check_config
 
     check_config(args.config, args.set)  # a wrong config or --set fails here, before any job
@@ -245,21 +321,59 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         root.mkdir(parents=True, exist_ok=True)
     else:
         root = Path(tempfile.mkdtemp(prefix="hybridrec-bench-hybrid-"))
+    reports = []
     try:
-        if args.codecs:
-            variants = {codec_name(ids, values): [*DISCIPLINES["sync"], f"strategy.id_codec={ids}",
-                                                  f"strategy.value_codec={values}"]
-                        for ids, values in CODECS}
-            report = codecs_report(run_variants(args, variants, root))
-        else:
-            variants = dict(DISCIPLINES)
-            report = disciplines_report(run_variants(args, variants, root))
+        for index, emulation in enumerate(points):
+            where = root / f"point{index}" if len(points) > 1 else root
+            if args.codecs:
+                variants = {codec_name(ids, values): [*DISCIPLINES["sync"], f"strategy.id_codec={ids}",
+                                                      f"strategy.value_codec={values}"]
+                            for ids, values in CODECS}
+                report = codecs_report(run_variants(args, variants, where, emulation))
+            else:
+                report = disciplines_report(run_variants(args, dict(DISCIPLINES), where, emulation))
+            report["bandwidth"] = None if emulation is None or emulation.rate is None else f"{emulation.rate / 1e6:g} Mbit/s"
+            report["emulation"] = None if emulation is None else emulation.describe()
+            report["settings"] = {"config": args.config, "set": args.set, "runs": args.runs, "seeds": args.seeds,
+                                  "ps": args.ps, "embedding_workers": args.embedding_workers,
+                                  "trainers": args.trainers}
+            reports.append(report)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    report["settings"] = {"config": args.config, "set": args.set, "runs": args.runs, "ps": args.ps,
-                          "embedding_workers": args.embedding_workers, "trainers": args.trainers}
-    return report
+    return reports
+
+
+def plot(reports: Sequence[dict], path: str, codecs: bool) -> None:
+    """One PNG of the sweep: per variant, the median and min-max of two metrics at each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [codec_name(*c) for c in CODECS] if codecs else list(DISCIPLINES)
+    panels = ([("samples_per_s", "training samples/s"), ("bytes_per_sample", "payload bytes per sample")] if codecs
+              else [("auc", "test AUC"), ("samples_per_s", "training samples/s")])
+    labels = [r["bandwidth"] or ("unshaped" if r.get("emulation") else "loopback") for r in reports]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for axis, (key, title) in zip(axes, panels):
+        for j, name in enumerate(names):
+            x = [i + (j - (len(names) - 1) / 2) * 0.12 for i in range(len(reports))]
+            values = [spread([run.get(key) for run in r[name]["runs"]]) for r in reports]
+            medians = [v["median"] for v in values]
+            errors = [[m - v["min"] for m, v in zip(medians, values)], [v["max"] - m for m, v in zip(medians, values)]]
+            axis.errorbar(x, medians, yerr=errors, marker="o", capsize=4, label=name)
+        axis.set_xticks(range(len(reports)), labels)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    axes[0].legend()
+    settings = reports[0]["settings"]
+    jobs = len(reports[0][names[0]]["runs"])
+    figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainers, "
+                    f"{reports[0].get('emulation') or 'loopback'}; median and min-max of {jobs} job(s)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -267,13 +381,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.trainers is None:
         args.trainers = 1 if args.codecs else 2
+    if args.runs is None:
+        args.runs = 1 if args.seeds else 3
     if not Path(args.config).is_file():
         parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
     try:
-        report = run_benchmark(args)
+        points = sweep(args)
+    except ValueError as exc:  # a bad emulation flag, or no privilege to emulate hosts
+        parser.error(str(exc))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
+    try:
+        reports = run_benchmark(args, points)
     except (JobFailed, ValueError) as exc:  # ValueError: ConfigError, bad counts
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
-    (print_codecs if args.codecs else print_disciplines)(report, args.runs)
+    for report in reports:
+        (print_codecs if args.codecs else print_disciplines)(report)
+    if args.plot:
+        plot(reports, args.plot, args.codecs)
+        print(f"plot: {args.plot}")
+    result = reports[0] if len(reports) == 1 else {"points": reports}
     if args.json:
-        print(json.dumps(report))
-    return report
+        print(json.dumps(result))
+    return result

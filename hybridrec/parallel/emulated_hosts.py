@@ -104,13 +104,15 @@ class HostEmulation:
         return f"{self.hosts} emulated hosts, links {rate}, latency {self.latency_ms:g} ms"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The emulation flags, on `hybridrec launch` and on every bench that runs a distributed job."""
+def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:
+    """The emulation flags, on `hybridrec launch` and on every bench that runs a distributed job
+    (`sweep`: a bench that takes several comma-separated rates, one set of jobs each)."""
     parser.add_argument("--emulate-hosts", type=int, default=None, metavar="N",
                         help="run the roles on N network namespaces joined by shaped links (needs root; "
                              "see docs/distributed.md, Emulated hosts)")
-    parser.add_argument("--bandwidth", default=None, metavar="RATE",
-                        help="with --emulate-hosts: each host's link rate in both directions, e.g. 100mbit, 1gbit")
+    parser.add_argument("--bandwidth", default=None, metavar="RATE[,RATE...]" if sweep else "RATE",
+                        help="with --emulate-hosts: each host's link rate in both directions, e.g. 100mbit, 1gbit"
+                             + ("; several, comma-separated: the jobs run at each rate in turn" if sweep else ""))
     parser.add_argument("--latency", type=float, default=None, metavar="MS",
                         help="with --emulate-hosts: one-way delay between two hosts in milliseconds")
     parser.add_argument("--place", default=None, metavar="ROLE=HOST,...",
