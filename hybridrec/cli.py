@@ -1,7 +1,9 @@
-"""The `hybridrec` command: train, eval, data synth, bench, serve-ps, embedding-worker, launch.
+"""The `hybridrec` command: train, eval, data synth, models, bench, serve-ps, embedding-worker,
+launch.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
-user can fix (bad config, missing file) are printed as one clear message with exit code 2.
+user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are
+printed as one clear message with exit code 2. A traceback means a bug of ours.
 """
 from __future__ import annotations
 
@@ -78,6 +80,14 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from hybridrec.models import describe_models
+
+    print("Models (model.name) and their hyper-parameters (model.hparams) with defaults:")
+    print(describe_models())
+    return 0
+
+
 def cmd_bench(args) -> int:
     import importlib
 
@@ -143,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zipf-exponent", type=float, default=None)
     s.set_defaults(func=cmd_data_synth)
 
+    p = sub.add_parser("models", help="list the models and their hyper-parameters with defaults",
+                       description="Print every model (model.name) with its hyper-parameters (model.hparams), "
+                       "their defaults and what they do.")
+    p.set_defaults(func=cmd_models)
+
     p = sub.add_parser("bench", help="benchmarks against peers", description="Benchmarks; each prints ratios "
                        "against peers measured in the same run. Options after the name go to the benchmark "
                        "(e.g. hybridrec bench embedding --help).")
@@ -198,11 +213,11 @@ def main(argv=None) -> int:
         args.rest = extra  # argparse's REMAINDER does not take leading options such as --port
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from hybridrec.config import ConfigError
+    from hybridrec.errors import UserError
 
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as exc:
+    except (UserError, FileNotFoundError, FileExistsError) as exc:
         print(f"hybridrec {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], "{train,eval,data,bench,serve-ps,embedding-worker,launch}"),
+    ([], "{train,eval,data,models,bench,serve-ps,embedding-worker,launch}"),
     (["train"], "--resume"),
     (["eval"], "--checkpoint"),
     (["data"], "synth"),
