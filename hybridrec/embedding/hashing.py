@@ -58,7 +58,7 @@ def _route_kernel(keys, salt, num_shards, out):
 
 def table_route_id(table: str) -> int:
     """The `table_id` that `route` gets for a table name: stable across processes and runs
-    (PS client, re-sharding of PS checkpoints, model-parallel shards all use this one)."""
+    (the PS client routes with it; `checkpoint.load_resharded` takes it as `table_id`)."""
     return zlib.crc32(table.encode("utf-8"))
 
 

@@ -1,6 +1,6 @@
 """EmbeddingStore: one capacity-bounded table of uint64 keys, the engine under every mode.
 
-The local trainer, the PS server and model-parallel shards all hold their rows in this class.
+The local placement (through `EmbeddingCollection`) and the PS servers hold their rows in this class.
 It validates every input, owns the arrays (heap or named shared memory, see memory.py) and calls
 the numba kernels in kernels.py; no Python runs per ID. Calls are serialised by a lock so a PS
 server can use it from several threads; the kernels release the GIL, so different stores (tables,
