@@ -113,6 +113,10 @@ def cmd_launch(args) -> int:
     from hybridrec.parallel.launch import launch
 
     try:
+        if args.ray is not None:  # the roles on a Ray cluster
+            from hybridrec.parallel.ray_launch import launch_from_arguments
+
+            return launch_from_arguments(args)
         return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
                       overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
                       max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
@@ -199,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface the PS servers and embedding workers bind")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop the whole job after this long (exit code 124); default: no limit")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="place the roles on the Ray cluster at ADDRESS (HOST:6379, ray://HOST:10001) or `auto` "
+                        "(the Ray instance on this machine, started if none runs); needs hybridrec[ray]; each "
+                        "role asks Ray for strategy.resources")
     from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
 
     add_emulation_arguments(p)

@@ -1,0 +1,692 @@
+"""`hybridrec launch CONFIG --ray ADDRESS`: every role of a distributed job placed on a Ray cluster.
+
+The roles are the ones `hybridrec launch` builds (`launch.build_roles`), each run inside a Ray
+actor instead of a child process:
+
+* PS servers and embedding workers are actors pinned to a node (node affinity, not soft), each
+  on a port picked on that node, with `max_restarts = role_restarts`. Ray restarts one that
+  dies on the same node, where it binds the same port and a PS reattaches to its tables in
+  named shared memory, so it comes back with every update it acknowledged.
+* The trainers are one torch.distributed group of actors: rank 0's node address and a port
+  free there become MASTER_ADDR / MASTER_PORT, each actor calls the trainer entry point
+  (`hybridrec.parallel.trainer.main`, which joins the group with gloo, or NCCL on GPUs, and
+  runs the one training loop). A failed group is started again, as torchrun does, at most
+  `max_restarts` times; it resumes from the newest checkpoint.
+* Each role asks Ray for `strategy.resources.<role>` (cpus, gpus, memory_gb).
+* Every line a role prints reaches this process through Ray's log forwarding and is shown as
+  `[ps0] line`, `[ew0] line`, `[nn] line`; the launcher's own lines are `[launch] ...`.
+* The end of training, a role that died more often than its restarts, Ctrl-C / SIGTERM or
+  `timeout` kill every actor of the job; then a task on each PS node deletes the job's shared
+  memory there. Exit codes are `hybridrec launch`'s (0, 1, 124, 130; bad arguments raise
+  ValueError, which the command line turns into 2).
+
+`ADDRESS` is a Ray address (`HOST:6379`, `ray://HOST:10001`) or `auto`: attach to the Ray
+instance running on this machine, or start one whose logical CPUs cover the job's request.
+On a one-node cluster roles bind loopback; on several nodes they bind their node's address and
+authenticate with a job key made per job, which each actor receives as an argument and puts
+in its own environment (HYBRIDREC_AUTH_KEY), never on a command line.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence, TextIO
+
+from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV
+from hybridrec.parallel.launch import (JobPlan, build_roles, check_arguments, check_config, free_ports,
+                                       launcher_environment, new_job_id, remove_dead_jobs_shared_memory,
+                                       remove_shared_memory, role_counts)
+from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT
+
+NAMESPACE = "hybridrec"
+TRAINER = "nn"  # the prefix of every trainer's lines, as under torchrun
+LOG_DRAIN_SECONDS = 1.0  # after the trainers finish: time for their last lines to be forwarded
+POLL_SECONDS = 0.2
+
+
+# ------------------------------------------------------------------------------ inside the actors
+def _enter_job(key: str | None, cwd: str) -> None:
+    """Run first in every actor: the job key in this process's environment (off loopback), and
+    the launcher's working directory when this node has it (config paths are relative to it)."""
+    if key is not None:
+        os.environ.pop(AUTH_KEY_FILE_ENV, None)
+        os.environ[AUTH_KEY_ENV] = key
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+
+
+def _flag(argv: Sequence[str], flag: str) -> str:
+    return argv[list(argv).index(flag) + 1]
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+class ServiceHost:
+    """Runs one PS server or embedding worker (its `hybridrec.cli` argv) in this actor's process.
+
+    The constructor returns once the role accepts connections on its port, and raises if the
+    role exits first (a bad config, say: Ray then marks the actor dead without restarting it).
+    A role that stops later ends the whole process, so Ray restarts the actor."""
+
+    def __init__(self, name: str, argv: Sequence[str], key: str | None, cwd: str, startup_timeout: float):
+        _enter_job(key, cwd)
+        self.name, self.argv = name, list(argv)
+        self.exit: Any = None
+        self.serving = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+        host, port = _flag(argv, "--host"), int(_flag(argv, "--port"))
+        deadline = time.monotonic() + startup_timeout
+        while not _listening(host, port):
+            if not self.thread.is_alive():
+                raise RuntimeError(f"{name} exited ({self.exit}) before it listened on {host}:{port}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not listen on {host}:{port} within {startup_timeout:g}s")
+            time.sleep(0.1)
+        self.serving = True
+
+    def __repr__(self) -> str:  # Ray names the actor's log lines after it
+        return self.name
+
+    def _run(self) -> None:
+        from hybridrec.cli import main
+
+        try:
+            self.exit = f"exit code {main(self.argv)}"
+        except SystemExit as stop:
+            self.exit = f"exit code {stop.code}"
+        except BaseException:  # a bug: its traceback goes to the log
+            traceback.print_exc()
+            self.exit = "an exception"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.serving:  # stopped by itself after it served: let Ray restart the actor
+            print(f"{self.name} stopped ({self.exit}); ending its actor", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def watch(self) -> None:
+        """Returns (or fails) only when the role is gone."""
+        self.thread.join()
+
+
+class TrainerHost:
+    """One trainer rank: joins the torch.distributed group and runs the training loop."""
+
+    def __init__(self, key: str | None, cwd: str):
+        _enter_job(key, cwd)
+        import hybridrec.parallel.trainer  # noqa: F401  (torch and the loop load while the services start)
+
+    def __repr__(self) -> str:
+        return TRAINER
+
+    def endpoint(self, loopback: bool) -> tuple[str, int]:
+        """Where rank 0 serves the group's rendezvous store: this node's address and a free port."""
+        import ray
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return host, free_ports(1, host)[0]
+
+    def run(self, argv: Sequence[str], rank: int, world: int, master: tuple[str, int], attempt: int) -> int:
+        from hybridrec.parallel.trainer import main
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+                          TORCHELASTIC_RESTART_COUNT=str(attempt))  # > 0: the trainer resumes
+        try:
+            return main(list(argv))
+        except SystemExit as stop:
+            return stop.code if isinstance(stop.code, int) else 2
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+class NodeAgent:
+    """The job's helper on one node that hosts PS servers or embedding workers: it picks their
+    ports there before they start, and deletes the job's shared memory there once they are dead.
+    (An actor rather than two tasks: Ray's idle task workers can crash as they exit.)"""
+
+    def endpoint(self, count: int, loopback: bool) -> tuple[str, list[int]]:
+        """The host roles on this node bind (loopback on a one-node cluster) and `count` free ports."""
+        import ray
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return host, free_ports(count, host)
+
+    def remove_memory(self, shm_names: Sequence[str], tables: Sequence[str]) -> list[str]:
+        return remove_shared_memory(shm_names, tables)
+
+
+# ------------------------------------------------------------------------------ the launcher
+@dataclass
+class _Service:
+    name: str
+    argv: list[str]
+    node: str
+    options: dict
+    actor: Any = None
+    call: Any = None          # the outstanding `watch` (serving) or `pid` (restarting) call
+    restarting: bool = False
+    ask_at: float = 0.0       # restarting: when to ask again whether it is back
+    deaths: int = 0
+
+
+@dataclass
+class RayJob:
+    """What `launch_on_ray` placed: for tests and tools that look at a running job."""
+
+    job: str
+    ps_addresses: list[str]
+    embedding_worker_addresses: list[str]
+    actor_names: dict[str, str] = field(default_factory=dict)  # role -> Ray actor name (namespace NAMESPACE)
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs the ray package, which is not installed: pip install 'hybridrec[ray]'") from None
+    return ray
+
+
+def role_options(resources) -> dict:
+    """Ray's resource options for one process with these `strategy.resources.<role>` values."""
+    options = {"num_cpus": resources.cpus, "num_gpus": resources.gpus}
+    if resources.memory_gb:
+        options["memory"] = int(resources.memory_gb * 2**30)
+    return options
+
+
+_RAY_RESOURCE = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def _demand(options: dict) -> dict[str, float]:
+    return {_RAY_RESOURCE[k]: v for k, v in options.items() if k in _RAY_RESOURCE and v}
+
+
+def job_demand(resources, counts: dict[str, int]) -> dict[str, float]:
+    """What the whole job asks Ray for (CPU, GPU, memory in bytes), every process together."""
+    demand: dict[str, float] = {}
+    for role, count in (("ps_servers", counts["ps"]), ("embedding_workers", counts["embedding_workers"]),
+                        ("trainers", counts["trainers"])):
+        for resource, amount in _demand(role_options(getattr(resources, role))).items():
+            demand[resource] = demand.get(resource, 0) + amount * count
+    return demand
+
+
+def connect(address: str, demand: dict[str, float]) -> bool:
+    """Attach to the Ray cluster at `address` (`auto`: the one on this machine, else a new local
+    instance with enough logical CPUs for `demand`). True when this call started Ray."""
+    ray = _import_ray()
+    import logging
+
+    if ray.is_initialized():
+        return False
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": True, "namespace": NAMESPACE}
+    if address != "auto":
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, ValueError, RuntimeError) as error:
+            raise ValueError(f"--ray {address}: no Ray cluster could be reached there ({error}); give the "
+                             f"address `ray start --head` printed, or `auto`") from None
+        return False
+    try:
+        ray.init(address="auto", **quiet)
+        return False
+    except ConnectionError:
+        pass
+    cpus = max(os.cpu_count() or 1, math.ceil(demand.get("CPU", 0)))
+    ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+    return True
+
+
+def _alive_nodes() -> list[dict]:
+    import ray
+
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def place_services(nodes: list[dict], wanted: list[tuple[str, dict]]) -> list[str]:
+    """A node id for each (name, options) service, round-robin over the nodes it fits on,
+    counting what the earlier services took. ValueError names the role that fits nowhere."""
+    free = {n["NodeID"]: dict(n.get("Resources", {})) for n in nodes}
+    order = [n["NodeID"] for n in nodes]
+    chosen, turn = [], 0
+    for name, options in wanted:
+        need = _demand(options)
+        for step in range(len(order)):
+            node = order[(turn + step) % len(order)]
+            if all(free[node].get(r, 0) >= v for r, v in need.items()):
+                for r, v in need.items():
+                    free[node][r] -= v
+                chosen.append(node)
+                turn = (turn + step + 1) % len(order)
+                break
+        else:
+            key = "ps_servers" if name.startswith("ps") else "embedding_workers"
+            raise ValueError(f"strategy.resources.{key}: {name} asks Ray for {need}, which no node of the "
+                             f"cluster has left ({len(order)} node(s)); lower the request or add nodes")
+    return chosen
+
+
+def _check_total(nodes: list[dict], demand: dict[str, float]) -> None:
+    total: dict[str, float] = {}
+    for node in nodes:
+        for resource, amount in node.get("Resources", {}).items():
+            total[resource] = total.get(resource, 0) + amount
+    for resource, amount in demand.items():
+        if total.get(resource, 0) < amount:
+            raise ValueError(f"strategy.resources: the job asks Ray for {amount:g} {resource} in all, the "
+                             f"cluster has {total.get(resource, 0):g}; lower strategy.resources.<role>.{_key(resource)} "
+                             f"or add nodes")
+
+
+def _key(resource: str) -> str:
+    return {"CPU": "cpus", "GPU": "gpus", "memory": "memory_gb"}[resource]
+
+
+def _with(argv: Sequence[str], **values: str) -> list[str]:
+    """argv with the value after each --flag replaced (flag names with _ for -)."""
+    argv = list(argv)
+    for name, value in values.items():
+        argv[argv.index("--" + name.replace("_", "-")) + 1] = value
+    return argv
+
+
+def _cli_argv(role_argv: Sequence[str]) -> list[str]:
+    """A service role's `python -m hybridrec.cli ARGS`: ARGS."""
+    return list(role_argv)[list(role_argv).index("hybridrec.cli") + 1:]
+
+
+def _trainer_argv(role_argv: Sequence[str]) -> list[str]:
+    """The trainer role's `torchrun ... -m hybridrec.parallel.trainer ARGS`: ARGS."""
+    return list(role_argv)[list(role_argv).index("hybridrec.parallel.trainer") + 1:]
+
+
+class RayLauncher:
+    """One job on a Ray cluster, from placement to teardown (see the module docstring)."""
+
+    def __init__(self, plan: JobPlan, cfg, tables: list[str], demand: dict[str, float], *, trainers: int,
+                 max_restarts: int,
+                 role_restarts: int, grace: float, out: TextIO | None, started_ray: bool,
+                 startup_timeout: float = 180.0):
+        import ray
+
+        self.ray = ray
+        self.plan, self.tables, self.trainers = plan, tables, trainers
+        self.max_restarts, self.role_restarts, self.grace = max_restarts, role_restarts, grace
+        self.out = out if out is not None else sys.stdout
+        self.started_ray, self.startup_timeout = started_ray, startup_timeout
+        self.resources, self.demand = cfg.strategy.resources, demand
+        self.reason = ""
+        self.services: list[_Service] = []
+        self.trainer_actors: list[Any] = []
+        self.shm_nodes: dict[str, list[str]] = {}
+        self.agents: dict[str, Any] = {}
+        self.info = RayJob(plan.job, [], [])
+        self._lock = threading.Lock()
+        self._signal: int | None = None
+        self._key: str | None = None
+        self._loopback = True
+        self._cwd = os.getcwd()
+
+    # ------------------------------------------------------------------ output
+    def emit(self, name: str, line: str) -> None:
+        with self._lock:
+            try:
+                self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+            except (ValueError, OSError):
+                pass
+
+    def log(self, line: str) -> None:
+        self.emit("launch", line)
+
+    def _forward(self, data: dict) -> None:
+        """Ray's batch of one worker's output lines, each shown with its role's prefix."""
+        name = data.get("actor_name") or ""
+        lines = data.get("lines") or []
+        if data.get("pid") == "autoscaler":
+            try:
+                from ray._private.worker import filter_autoscaler_events
+                lines = list(filter_autoscaler_events(lines))
+            except ImportError:
+                pass
+        roles = {s.name for s in self.services} | {TRAINER}
+        source = "" if name in roles else f"({data.get('task_name') or name or 'worker'} pid={data.get('pid')}) "
+        for line in lines:
+            self.emit(name if name in roles else "ray", source + line)
+
+    def _route_logs(self) -> Callable[[], None]:
+        """Show forwarded worker output with role prefixes instead of Ray's `(name pid=N)`; returns
+        the undo. Ray keeps its handlers in a private dispatcher: when that is not there, or this
+        driver does not forward logs, Ray's own printing stays (prefixed with the role's name too)."""
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return lambda: None
+        with dispatcher._lock:
+            saved = list(dispatcher.handlers)
+        if not any(name == "ray_print_logs" for name, _ in saved):
+            return lambda: None
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("hybridrec_roles", self._forward)
+
+        def undo() -> None:
+            dispatcher.remove_handler("hybridrec_roles")
+            with dispatcher._lock:
+                dispatcher.handlers = saved
+        return undo
+
+    # ------------------------------------------------------------------ placement
+    def _plan_services(self) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray, plan = self.ray, self.plan
+        nodes = _alive_nodes()
+        self._loopback = len(nodes) == 1
+        ps_options = role_options(self.resources.ps_servers)
+        ew_options = role_options(self.resources.embedding_workers)
+        trainer_options = role_options(self.resources.trainers)
+        services = [r for r in plan.roles if not r.main]
+        wanted = [(r.name, ps_options if r.name.startswith("ps") else ew_options) for r in services]
+        _check_total(nodes, self.demand)
+        chosen = place_services(nodes, wanted)
+        per_node: dict[str, int] = {}
+        for node in chosen:
+            per_node[node] = per_node.get(node, 0) + 1
+        agent = ray.remote(NodeAgent)
+        self.agents = {node: agent.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)).remote() for node in per_node}
+        endpoints = {node: self.agents[node].endpoint.remote(count, self._loopback)
+                     for node, count in per_node.items()}
+        endpoints = {node: ray.get(ref, timeout=self.startup_timeout) for node, ref in endpoints.items()}
+        if not self._loopback:
+            self._key = (launcher_environment(endpoints[chosen[0]][0]) or {}).get(AUTH_KEY_ENV)
+        addresses: dict[str, str] = {}
+        for role, node, (_, options) in zip(services, chosen, wanted):
+            host, ports = endpoints[node]
+            port = ports.pop(0)
+            addresses[role.name] = f"tcp://{host}:{port}"
+            self.services.append(_Service(role.name, _with(_cli_argv(role.argv), host=host, port=str(port)),
+                                          node, options))
+        ps_list = ",".join(addresses[s.name] for s in self.services if s.name.startswith("ps"))
+        ew_list = ",".join(addresses[s.name] for s in self.services if s.name.startswith("ew"))
+        for service in self.services:
+            if service.name.startswith("ew"):
+                service.argv = _with(service.argv, ps=ps_list)
+            else:
+                index = int(service.name[2:])
+                self.shm_nodes.setdefault(service.node, []).append(plan.shm_names[index])
+        trainer_role = next(r for r in plan.roles if r.main)
+        self.trainer_argv = _with(_trainer_argv(trainer_role.argv), ps=ps_list, embedding_workers=ew_list)
+        self.trainer_options = trainer_options
+        self.info.ps_addresses = ps_list.split(",")
+        self.info.embedding_worker_addresses = [a for a in ew_list.split(",") if a]
+
+    # ------------------------------------------------------------------ running
+    def _stopping(self, deadline: float | None) -> int | None:
+        if self._signal is not None:
+            self.reason = f"interrupted by {signal.Signals(self._signal).name}"
+            return INTERRUPTED
+        if deadline is not None and time.monotonic() > deadline:
+            self.reason = "the --timeout passed"
+            return TIMED_OUT
+        return None
+
+    def _start_services(self, services: list[_Service], deadline: float | None) -> int | None:
+        """Create the actors and wait until each serves; an exit code when the job ends here."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self.ray
+        for service in services:
+            actor_name = f"hybridrec-{self.plan.job}-{service.name}"
+            cls = ray.remote(type(service.name, (ServiceHost,), {"__module__": __name__}))
+            service.actor = cls.options(
+                name=actor_name, namespace=NAMESPACE, max_restarts=self.role_restarts, max_task_retries=0,
+                max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(service.node, soft=False),
+                **service.options).remote(service.name, service.argv, self._key, self._cwd, self.startup_timeout)
+            self.info.actor_names[service.name] = actor_name
+        pending = {s.actor.pid.remote(): s for s in services}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
+            for ref in done:
+                service = pending.pop(ref)
+                try:
+                    pid = ray.get(ref)
+                except Exception as error:  # the constructor raised or the actor died
+                    self.reason = f"{service.name} did not start: {_cause(error)}"
+                    return FAILED
+                self.log(f"{service.name} serves at {_flag(service.argv, '--host')}:{_flag(service.argv, '--port')} "
+                         f"(pid {pid}, node {service.node[:12]})")
+                service.call = service.actor.watch.remote()
+            code = self._stopping(deadline)
+            if code is not None:
+                return code
+        return None
+
+    def _create_trainers(self) -> None:
+        cls = self.ray.remote(type(TRAINER, (TrainerHost,), {"__module__": __name__}))
+        self.trainer_actors = [cls.options(max_restarts=0, **self.trainer_options).remote(self._key, self._cwd)
+                               for _ in range(self.trainers)]
+
+    def _start_trainers(self, attempt: int) -> list[Any]:
+        """Run the trainer group on the trainer actors (made already: see _create_trainers)."""
+        ray = self.ray
+        master = ray.get(self.trainer_actors[0].endpoint.remote(self._loopback), timeout=self.startup_timeout)
+        self.log(f"trainers: {self.trainers} rank(s), group at {master[0]}:{master[1]}"
+                 + (f", attempt {attempt + 1}" if attempt else ""))
+        return [actor.run.remote(self.trainer_argv, rank, self.trainers, master, attempt)
+                for rank, actor in enumerate(self.trainer_actors)]
+
+    def _service_answered(self, service: _Service) -> int | None:
+        """A service's outstanding call ended. Serving: its watch ended, so it died; Ray restarts it
+        (then ask its pid until it is back) or it is dead for good, which fails the job."""
+        from ray.exceptions import ActorDiedError
+
+        try:
+            pid, error = self.ray.get(service.call), None
+        except Exception as exc:
+            pid, error = None, exc
+        if isinstance(error, ActorDiedError):
+            self.reason = (f"{service.name} died and Ray does not restart it (after {service.deaths} "
+                           f"restart(s) of {self.role_restarts}): {_cause(error)}")
+            return FAILED
+        if service.restarting and error is None:
+            service.restarting = False
+            self.log(f"{service.name} is back (pid {pid})")
+            service.call = service.actor.watch.remote()
+        elif service.restarting:  # still restarting: ask again in a moment
+            service.call, service.ask_at = None, time.monotonic() + POLL_SECONDS
+        else:
+            service.deaths += 1
+            if service.deaths > self.role_restarts:
+                self.reason = f"{service.name} died more often than its {self.role_restarts} restart(s)"
+                return FAILED
+            self.log(f"{service.name} died; Ray restarts it on its node ({service.deaths} of {self.role_restarts})")
+            service.restarting, service.call = True, service.actor.pid.remote()
+        return None
+
+    def _kill_trainers(self) -> None:
+        for actor in self.trainer_actors:
+            self.ray.kill(actor, no_restart=True)
+        self.trainer_actors = []
+
+    def _run(self, deadline: float | None) -> int:
+        ray = self.ray
+        self._create_trainers()
+        code = self._start_services(self.services, deadline)
+        if code is not None:
+            return code
+        attempt = 0
+        runs = self._start_trainers(attempt)
+        finished: set = set()
+        while True:
+            for service in self.services:
+                if service.call is None and time.monotonic() >= service.ask_at:
+                    service.call = service.actor.pid.remote()
+            calls = {s.call: s for s in self.services if s.call is not None}
+            pending = [r for r in runs if r not in finished]
+            done, _ = ray.wait(pending + list(calls), num_returns=1, timeout=POLL_SECONDS)
+            for ref in done:
+                if ref in calls:
+                    code = self._service_answered(calls[ref])
+                    if code is not None:
+                        return code
+                    continue
+                finished.add(ref)
+                try:
+                    result = ray.get(ref)
+                    failure = None if result == 0 else f"exit code {result}"
+                except Exception as error:
+                    failure = _cause(error)
+                if failure is None:
+                    continue
+                if attempt >= self.max_restarts:
+                    self.reason = f"a trainer failed ({failure})" + (
+                        f" and its group was restarted {attempt} time(s) already" if attempt else "")
+                    return FAILED
+                self.log(f"a trainer failed ({failure}); restarting the trainer group "
+                         f"({attempt + 1} of {self.max_restarts})")
+                self._kill_trainers()
+                self._create_trainers()
+                attempt += 1
+                runs, finished = self._start_trainers(attempt), set()
+                break
+            if runs and all(r in finished for r in runs):
+                self.reason = "the trainers finished"
+                time.sleep(LOG_DRAIN_SECONDS)
+                return OK
+            code = self._stopping(deadline)
+            if code is not None:
+                return code
+
+    def _teardown(self) -> None:
+        """Kill every actor of the job, wait (up to `grace`) until each is gone, then delete the
+        job's shared memory on each PS node."""
+        ray = self.ray
+        actors = self.trainer_actors + [s.actor for s in self.services if s.actor is not None]
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        deadline = time.monotonic() + self.grace
+        for actor in actors:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # dead (or still dying after the grace period: its node's raylet finishes it)
+                pass
+        self.trainer_actors = []
+        refs = {node: self.agents[node].remove_memory.remote(names, self.tables)
+                for node, names in self.shm_nodes.items()}
+        for node, ref in refs.items():
+            try:
+                removed = ray.get(ref, timeout=max(self.grace, 30.0))
+                self.log(f"deleted the job's shared memory on node {node[:12]} ({len(removed)} item(s))")
+            except Exception as error:
+                self.log(f"could not delete the job's shared memory on node {node[:12]}: {_cause(error)}")
+        for agent in self.agents.values():
+            ray.kill(agent, no_restart=True)
+
+    def run(self, timeout: float | None = None) -> int:
+        """The whole job; the exit code. `reason` says why it ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        undo_logs = self._route_logs()
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handlers[signum] = signal.signal(signum, self._on_signal)
+        try:
+            self._plan_services()
+            self.log(f"job {self.plan.job} on Ray: {len(self.info.ps_addresses)} PS "
+                     f"({', '.join(self.info.ps_addresses)}), {len(self.info.embedding_worker_addresses)} "
+                     f"embedding worker(s) ({', '.join(self.info.embedding_worker_addresses)}), "
+                     f"{self.trainers} trainer(s)")
+            remove_dead_jobs_shared_memory(self.log)
+            return self._run(deadline)
+        except BaseException:
+            self.reason = self.reason or "the launcher failed"
+            raise
+        finally:
+            try:
+                self._teardown()
+            finally:
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
+                undo_logs()
+                if self.started_ray:
+                    self.ray.shutdown()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+
+
+def _cause(error: BaseException | None) -> str:
+    """One line for a Ray error: the role's own exception when there is one."""
+    if error is None:
+        return "no error"
+    cause = getattr(error, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else error).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
+                  embedding_workers: int | None = None, trainers: int | None = None,
+                  overrides: Sequence[str] = (), resume: bool = False, overwrite: bool = False,
+                  max_restarts: int = 0, role_restarts: int = 3, timeout: float | None = None,
+                  grace: float = 10.0, out: TextIO | None = None) -> int:
+    """Run a whole job on the Ray cluster at `address`; the exit code: 0 done, 1 a role failed,
+    124 timeout, 130 interrupted. Raises ConfigError / ValueError before anything starts when the
+    arguments, the config or the cluster's resources do not fit."""
+    from hybridrec.job.tables import job_tables
+
+    cfg = check_config(config, overrides)
+    counts = role_counts(cfg, ps, embedding_workers, trainers)
+    check_arguments(ps=counts["ps"], embedding_workers=counts["embedding_workers"], trainers=counts["trainers"],
+                    max_restarts=max_restarts, role_restarts=role_restarts, resume=resume, overwrite=overwrite,
+                    timeout=timeout)
+    _import_ray()
+    demand = job_demand(cfg.strategy.resources, counts)
+    plan = build_roles(str(Path(config).resolve()), **counts, overrides=overrides, job=new_job_id(),
+                       resume=resume, overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts,
+                       checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
+    tables = list(job_tables(cfg).all_tables())
+    started = connect(address, demand)
+    launcher = RayLauncher(plan, cfg, tables, demand, trainers=counts["trainers"], max_restarts=max_restarts,
+                           role_restarts=role_restarts, grace=grace, out=out, started_ray=started)
+    code = launcher.run(timeout)
+    if code != 0:
+        print(f"hybridrec launch: {launcher.reason}", file=sys.stderr, flush=True)
+    return code
+
+
+def launch_from_arguments(args) -> int:
+    """`hybridrec launch ... --ray ADDRESS` from its parsed arguments (the launch subparser's)."""
+    if args.host != "127.0.0.1":
+        raise ValueError(f"--host {args.host} does not apply with --ray: each role binds its node's address "
+                         "(loopback on a one-node cluster)")
+    if getattr(args, "emulate_hosts", None) is not None:
+        raise ValueError(f"--emulate-hosts {args.emulate_hosts} does not apply with --ray: start the Ray nodes "
+                         "inside the emulated hosts instead (docs/distributed.md)")
+    return launch_on_ray(args.config, address=args.ray, ps=args.ps, embedding_workers=args.embedding_workers,
+                         trainers=args.trainers, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
+                         max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)
