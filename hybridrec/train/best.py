@@ -31,15 +31,18 @@ def validation_score(metrics: dict) -> float | None:
 class BestKeeper:
     """Decides after each validation whether its step is the best so far and has it saved."""
 
-    def __init__(self, output_dir, leader: bool, resumed: bool) -> None:
+    def __init__(self, output_dir, world, resumed: bool) -> None:
+        """`world` (hybridrec.strategy.world.World): the leader reads or clears `best/` and every
+        trainer starts from its record, so all trainers decide alike without a shared disk."""
         self.dir = Path(output_dir) / BEST_DIR
-        self.leader = leader
-        self.record: dict | None = None
+        self.leader = world.leader
         self.validated_step: int | None = None  # the step of the latest validation
-        if resumed and (self.dir / RECORD).is_file():
-            self.record = json.loads((self.dir / RECORD).read_text())
-        elif not resumed and leader and self.dir.exists():
+        record = None
+        if self.leader and resumed and (self.dir / RECORD).is_file():
+            record = json.loads((self.dir / RECORD).read_text())
+        elif self.leader and not resumed and self.dir.exists():
             shutil.rmtree(self.dir)
+        self.record: dict | None = world.broadcast(record)
 
     def consider(self, step: int, metrics: dict, save) -> bool:
         """True (after `save(directory)` wrote the checkpoint) when `metrics` beat the best so

@@ -212,7 +212,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                                 total_steps=_total_steps(cfg, sources, world), resumed_step=progress["step"],
                                 append=progress["step"] > 0)
         model.train()
-        best = None if sources.valid is None else BestKeeper(cfg.train.output_dir, world.leader, progress["step"] > 0)
+        best = None if sources.valid is None else BestKeeper(cfg.train.output_dir, world, progress["step"] > 0)
         with reporter:
             for epoch in range(progress["epoch"], cfg.train.epochs):
                 if done:
