@@ -64,10 +64,15 @@ def _train_distributed(args, cfg) -> int:
 
 def cmd_eval(args) -> int:
     from hybridrec.config import load_config
+    from hybridrec.errors import UserError
     from hybridrec.train.loop import evaluate_checkpoint
+    from hybridrec.train.reporting import json_text
 
-    cfg = load_config(args.config, args.set)
-    print(json.dumps(evaluate_checkpoint(cfg, args.checkpoint)))
+    if args.config is None and args.set:
+        raise UserError("--set changes a config file: give the config too, or leave --set out to use "
+                        "the config saved with the checkpoint")
+    cfg = None if args.config is None else load_config(args.config, args.set)
+    print(json_text(evaluate_checkpoint(cfg, args.checkpoint, config_name=args.config or "the config")))
     return 0
 
 
@@ -140,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint on the test data", description="Evaluate a checkpoint.")
-    p.add_argument("config")
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the test data",
+                       description="Evaluate a checkpoint with the config saved in it, or with CONFIG (which must "
+                                   "build the same model: its data, say, may differ).")
+    p.add_argument("config", nargs="?", help="YAML job file (default: the config saved with the checkpoint)")
     p.add_argument("--checkpoint", required=True, help="a step-N checkpoint directory or a run's output_dir")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_eval)

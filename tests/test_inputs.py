@@ -157,6 +157,7 @@ def _parquet(tmp_path) -> str:
     ({"data.path": "FAKE.parquet"}, "not a Parquet file"),
     ({"model.name": "dcn", "model.hparams": {"hidden": [0]}}, "model.hparams.hidden must be a list of positive ints"),
     ({"model.name": "dlrm", "model.hparams": {"bottom_mlp": [8, 3]}}, "model.hparams.bottom_mlp must end with"),
+    ({"embedding.default": {"capacity": 1}}, "embedding.per_feature.k.capacity"),
 ])
 def test_user_mistakes_are_one_line_errors_with_exit_code_2(tmp_path, capsys, mistake, says):
     mistake = dict(mistake)

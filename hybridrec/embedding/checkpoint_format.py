@@ -120,15 +120,30 @@ def check_compatible(manifest: dict, config: TableConfig, directory) -> None:
                              f"{getattr(config, field)!r}")
 
 
+def _described(directory: Path, manifest: dict, name: str) -> tuple[np.dtype, tuple, int]:
+    """(dtype, shape, bytes) of array `name` as the manifest describes it, checked to agree."""
+    where = directory / MANIFEST
+    try:
+        desc = manifest["files"][name]
+        dtype, shape, size = np.dtype(desc["dtype"]), tuple(int(n) for n in desc["shape"]), int(desc["bytes"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint: {where} does not describe array {name!r} properly ({exc!r})") from None
+    if any(n < 0 for n in shape) or int(np.prod(shape)) * dtype.itemsize != size:
+        raise ValueError(f"checkpoint: {where} says {name} is {dtype.str} of shape {list(shape)}, which is not "
+                         f"its {size} bytes: the manifest was changed")
+    return dtype, shape, size
+
+
 def _read_array(directory: Path, manifest: dict, name: str) -> np.ndarray:
+    dtype, shape, expected = _described(directory, manifest, name)
     desc = manifest["files"][name]
     path = directory / f"{name}.bin"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint: {path} is missing")
     size = path.stat().st_size
-    if size != desc["bytes"]:
-        raise ValueError(f"checkpoint: {path} has {size} bytes, the manifest says {desc['bytes']} (truncated?)")
-    arr = np.fromfile(path, dtype=np.dtype(desc["dtype"])).reshape(desc["shape"])
+    if size != expected:
+        raise ValueError(f"checkpoint: {path} has {size} bytes, the manifest says {expected} (truncated?)")
+    arr = np.fromfile(path, dtype=dtype).reshape(shape)
     crc = _crc(arr)
     if crc != desc["crc32"]:
         raise ValueError(f"checkpoint: {path} is corrupt: CRC32 {crc:#010x}, the manifest says {desc['crc32']:#010x}")
@@ -142,7 +157,14 @@ def read(directory, manifest: dict | None = None) -> Snapshot:
     if manifest is None:
         manifest = read_manifest(directory)
     arrays = {name: _read_array(directory, manifest, name) for name in ARRAYS}
-    return Snapshot(config=saved_config(manifest), nparts=int(manifest["layout"]["nparts"]),
+    try:
+        config, nparts = saved_config(manifest), int(manifest["layout"]["nparts"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint: {directory / MANIFEST} lacks or garbles the table or layout ({exc!r})") from None
+    if arrays["rows"].ndim != 2 or arrays["rows"].shape[1] != config.row_width:
+        raise ValueError(f"checkpoint: {directory / 'rows.bin'} holds rows of shape {list(arrays['rows'].shape)}, "
+                         f"not [n, {config.row_width}] as its table config needs: the manifest was changed")
+    return Snapshot(config=config, nparts=nparts,
                     step=int(manifest["step"]), epoch=int(manifest["epoch"]),
                     dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
                     **arrays)

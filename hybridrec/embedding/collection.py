@@ -86,8 +86,8 @@ class _TableGroup:
     every time. The pooled output array is reused too once nothing refers to it any more
     (`_output`)."""
 
-    def __init__(self, stores: list):
-        self.stores = stores
+    def __init__(self, stores: list, tables: list):
+        self.stores, self.tables = stores, tables  # tables: the stores' names, for error messages
         self.lock = _lock_of(stores)
         self.arrays = TableArrays(stores)
         self.rooms = np.empty(len(stores), np.int64)
@@ -154,7 +154,7 @@ class _TableGroup:
                 raise RuntimeError("embedding tables still ask for index room or an epoch restart after "
                                    "being given them; this is a bug in hybridrec")
         if status > 0:
-            raise self.stores[status - 1].batch_too_large_error()
+            raise self.stores[status - 1].batch_too_large_error(self.tables[status - 1])
         return out, _GroupPass(self, inverse, spans, offsets, bsz, uniq_rows, uniq_keys, nuniq)
 
     def _service(self, spans, train):
@@ -325,7 +325,7 @@ class EmbeddingCollection(torch.nn.Module):
         stores = [self.stores[t] for t in tables]
         eligible = len(set(tables)) == len(tables) and all(self._table_users[t] == 1 and s.nparts == 1
                                                            for t, s in zip(tables, stores))
-        group = self._groups[names] = _TableGroup(stores) if eligible else None
+        group = self._groups[names] = _TableGroup(stores, tables) if eligible else None
         return group
 
     def _run(self, features, groups: tuple):

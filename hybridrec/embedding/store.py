@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from hybridrec.errors import UserError
+
 from . import checkpoint_format
 from . import kernels as K
 from .checkpoint_format import Snapshot
@@ -282,13 +284,21 @@ class EmbeddingStore:
             self.meta[:, K.M_STAMP] = 0
             self.scalars[S_EPOCH] = 1
 
-    def batch_too_large_error(self) -> ValueError:
+    def batch_too_large_error(self, table: str | None = None) -> UserError:
         """The error for a batch with more distinct keys than a partition has rows to give it (a
-        kernel reports ERR_FULL: every row is in use by the batch, so none can be evicted)."""
-        return ValueError(
-            f"keys: the batch has more distinct keys than the store can hold at once "
-            f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise capacity or "
-            f"split the batch"
+        kernel reports ERR_FULL: every row is in use by the batch, so none can be evicted); with
+        the `table` name it names the job config keys that set its capacity."""
+        if table is None:
+            where, keys = "keys", "capacity"
+        elif table.endswith(":wide"):
+            where, keys = f"table {table!r}", "embedding.wide.capacity (default: embedding.default.capacity)"
+        else:
+            where, keys = (f"table {table!r}", f"embedding.per_feature.{table}.capacity or embedding.shared.{table}."
+                                               f"capacity (default: embedding.default.capacity)")
+        return UserError(
+            f"{where}: the batch has more distinct keys than the table can hold at once "
+            f"(capacity {self.config.capacity} rows over {self.nparts} partition(s)); raise {keys} "
+            f"or use smaller batches (data.batch_size)"
         )
 
     def _probe(self, keys: np.ndarray, mode: int) -> Lookup:

@@ -14,19 +14,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from hybridrec.config import ConfigError
+from hybridrec.errors import UserError
 
 PROGRESS = "progress.json"
+CONFIG = "config.json"  # the resolved config the run was trained with
+DENSE = "dense.pt"
+_TMP = re.compile(r"\.step-[0-9]+\.tmp-(?P<pid>[0-9]+)")
 # config keys a resumed run must share with the run that wrote the checkpoint: they decide which
 # batches come in which order and what shape the model has (capacity, epochs, lrs may change)
 RESUME_KEYS = ("seed", "data.format", "data.synthetic", "data.path", "data.schema", "data.train_rows",
-               "data.test_fraction", "data.batch_size", "model", "embedding.default.init",
+               "data.test_fraction", "data.test_path", "data.valid_fraction", "data.valid_path",
+               "data.shuffle_buffer", "data.batch_size", "model", "embedding.default.init",
                "embedding.default.seed")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read; the message names the file, what is wrong and what to do."""
 
 
 def resume_identity(cfg) -> dict:
@@ -56,8 +66,10 @@ def save_checkpoint(output_dir, dense_state: dict, write_embeddings, progress: d
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save({**dense_state, "torch_rng": torch.get_rng_state()}, tmp / "dense.pt")
+    torch.save({**dense_state, "torch_rng": torch.get_rng_state()}, tmp / DENSE)
     write_embeddings(tmp / "embeddings")
+    if cfg is not None:
+        (tmp / CONFIG).write_text(json.dumps(cfg.model_dump(mode="json", by_alias=True), indent=1))
     record = {**progress, "identity": resume_identity(cfg)} if cfg is not None else dict(progress)
     (tmp / PROGRESS).write_text(json.dumps(record))
     shutil.rmtree(final, ignore_errors=True)
@@ -71,25 +83,49 @@ def save_checkpoint(output_dir, dense_state: dict, write_embeddings, progress: d
     return final
 
 
-def latest_checkpoint(output_dir) -> Path | None:
-    """The newest complete checkpoint under `output_dir` (or None)."""
+def complete_checkpoints(output_dir) -> list[Path]:
+    """The complete checkpoints under `output_dir`, newest first (`latest` names the newest)."""
     root = checkpoint_root(output_dir)
+    done = sorted((p for p in root.glob("step-*") if (p / PROGRESS).is_file()), reverse=True) if root.is_dir() else []
     pointer = root / "latest"
     if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if (path / PROGRESS).is_file():
-            return path
-    done = sorted(p for p in root.glob("step-*") if (p / PROGRESS).is_file()) if root.is_dir() else []
-    return done[-1] if done else None
+        named = root / pointer.read_text().strip()
+        if named in done:
+            done.remove(named)
+            done.insert(0, named)
+    return done
+
+
+def latest_checkpoint(output_dir) -> Path | None:
+    """The newest complete checkpoint under `output_dir` (or None)."""
+    done = complete_checkpoints(output_dir)
+    return done[0] if done else None
+
+
+def remove_interrupted_writes(output_dir) -> list[Path]:
+    """Delete the half-written checkpoints (`.step-N.tmp-<pid>`) of processes that are gone,
+    e.g. killed with SIGKILL while writing; returns what was removed."""
+    root, removed = checkpoint_root(output_dir), []
+    for tmp in sorted(root.glob(".step-*.tmp-*")) if root.is_dir() else []:
+        match = _TMP.fullmatch(tmp.name)
+        if match and not Path(f"/proc/{match['pid']}").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
 
 
 def read_progress(path, cfg=None) -> dict:
     """A checkpoint's progress record; with `cfg`, refuses (ConfigError) a checkpoint written
-    under different RESUME_KEYS values."""
+    under different RESUME_KEYS values. CheckpointError when the record cannot be read."""
     path = Path(path)
     if not (path / PROGRESS).is_file():
         raise FileNotFoundError(f"checkpoint: {path} is not a complete training checkpoint (no {PROGRESS})")
-    record = json.loads((path / PROGRESS).read_text())
+    try:
+        record = json.loads((path / PROGRESS).read_text())
+        int(record["step"]), int(record["epoch"]), list(record["next_batch_by_rank"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint: {path / PROGRESS} is damaged ({type(exc).__name__}: {exc}); resume from "
+                              "an older checkpoint or start over (--overwrite)") from None
     saved = record.pop("identity", None)
     if cfg is not None and saved is not None:
         now = resume_identity(cfg)
@@ -101,7 +137,65 @@ def read_progress(path, cfg=None) -> dict:
 
 
 def read_dense(path) -> dict:
-    """The dense.pt state of a checkpoint; restores torch's RNG state as it was saved."""
-    state = torch.load(Path(path) / "dense.pt", weights_only=True, map_location="cpu")
-    torch.set_rng_state(state["torch_rng"])
+    """The dense.pt state of a checkpoint; restores torch's RNG state as it was saved.
+    CheckpointError when the file cannot be read as a checkpoint's dense state."""
+    file = Path(path) / DENSE
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+        torch.set_rng_state(state["torch_rng"])
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: {file} is missing; resume from an older checkpoint or start over "
+                              "(--overwrite)") from None
+    except Exception as exc:  # torch raises many types for a damaged file; its advice to unpickle anyway is unsafe
+        raise CheckpointError(f"checkpoint: {file} is not a dense state this program wrote ({type(exc).__name__}); "
+                              "resume from an older checkpoint or start over (--overwrite)") from None
+    if not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"checkpoint: {file} holds no model state; resume from an older checkpoint or "
+                              "start over (--overwrite)")
     return state
+
+
+def read_config(path) -> dict | None:
+    """The resolved config a checkpoint was trained with (None for checkpoints without one)."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint: {file} is damaged ({exc}); give the run's config file instead") from None
+
+
+def _model_shape(cfg) -> dict:
+    """What decides the model's parameters and tables: the model section, the data's features
+    and labels, and which features share a table."""
+    from hybridrec.job.sources import data_layout
+
+    sparse, num_dense, labels = data_layout(cfg.data)
+    return {"model": cfg.model.model_dump(mode="json"), "sparse features": sparse, "dense features": num_dense,
+            "labels": labels, "embedding.shared": {name: list(t.features) for name, t in cfg.embedding.shared.items()}}
+
+
+def config_for_checkpoint(path, given=None, given_name: str = "the config"):
+    """The config to rebuild checkpoint `path`'s model with: the one saved with it, or `given`
+    when it agrees with the saved one on everything that shapes the model (ConfigError naming
+    the keys otherwise). Checkpoints without a saved config need `given`."""
+    from hybridrec.config import parse_config
+
+    path = Path(path)
+    saved = read_config(path)
+    if saved is None:
+        if given is None:
+            raise ConfigError(f"checkpoint: {path} holds no {CONFIG} (it predates saved configs); give the config "
+                              "it was trained with")
+        return given
+    trained = parse_config(saved, str(path / CONFIG))
+    if given is None:
+        return trained
+    before, now = _model_shape(trained), _model_shape(given)
+    differences = [f"{key}: checkpoint {before[key]!r}, {given_name} {now[key]!r}" for key in before
+                   if before[key] != now[key]]
+    if differences:
+        raise ConfigError(f"{given_name} builds another model than checkpoint {path} holds; leave the config out to "
+                          f"use the one saved with it ({path / CONFIG}). Differences: " + "; ".join(differences))
+    return given

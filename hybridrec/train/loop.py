@@ -25,7 +25,10 @@ from hybridrec.job.tables import job_tables
 from hybridrec.models import build_model
 from hybridrec.strategy import build_strategy
 from hybridrec.strategy.world import World
-from hybridrec.train.checkpoint import checkpoint_root, latest_checkpoint, read_dense, read_progress, save_checkpoint
+from hybridrec.comm.transport import RemoteError
+from hybridrec.train.checkpoint import (CheckpointError, checkpoint_root, complete_checkpoints, config_for_checkpoint,
+                                        latest_checkpoint, read_dense, read_progress, remove_interrupted_writes,
+                                        save_checkpoint)
 from hybridrec.metrics import MetricAccumulator
 from hybridrec.train.best import BestKeeper
 from hybridrec.train.reporting import Reporter, json_text
@@ -123,27 +126,63 @@ def open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
 
 
 def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bool) -> tuple[dict, dict | None]:
-    """(progress, dense state or None): fresh, or the newest checkpoint's, its embeddings loaded."""
-    found = None
+    """(progress, dense state or None): fresh, or the newest checkpoint that reads whole, its
+    embeddings loaded. The leader chooses and loads; the others follow its choice or its error."""
+    chosen = None
     if world.leader:
-        checkpoint = open_checkpoint(Path(cfg.train.output_dir), resume, overwrite)
-        found = None if checkpoint is None else str(checkpoint)
-    found = world.broadcast(found)
+        try:
+            chosen = ("ok", _load_newest_valid(cfg, world, placement, resume, overwrite))
+        except Exception as exc:
+            chosen = ("error", exc)
+    outcome, value = world.broadcast(chosen)
+    if outcome == "error":
+        raise value
     progress = {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}
-    if found is None:
+    if value is None:
         return progress, None
-    path = Path(found)
+    path = Path(value)
     record = read_progress(path, cfg)
-    positions = record.pop("next_batch_by_rank")
-    if len(positions) != world.size:
-        raise ConfigError(f"resume: {path} was written by {len(positions)} trainers; this job has {world.size}")
-    if world.leader:
-        placement.load(path / "embeddings")
-        if world.grouped:
-            print(f"trainer: resumed from checkpoint {path} at step {record['step']}", flush=True)
     state = read_dense(path)
     world.barrier()
+    positions = record.pop("next_batch_by_rank")
     return {**record, "next_batch": positions[world.rank]}, state
+
+
+def _load_newest_valid(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bool) -> str | None:
+    """The checkpoint to resume from (its tables loaded into `placement`), skipping damaged ones
+    with a word on each; None for a fresh run. Half-written checkpoints of dead runs are removed."""
+    out_dir = Path(cfg.train.output_dir)
+    for removed in remove_interrupted_writes(out_dir):
+        print(f"trainer: removed {removed}, a checkpoint whose writing was interrupted", flush=True)
+    newest = open_checkpoint(out_dir, resume, overwrite)
+    if newest is None:
+        return None
+    damaged = []
+    for path in complete_checkpoints(out_dir):
+        try:
+            positions = read_progress(path, cfg)["next_batch_by_rank"]
+            if len(positions) != world.size:
+                raise ConfigError(f"resume: {path} was written by {len(positions)} trainers; this job has {world.size}")
+            read_dense(path)
+            _load_embeddings(placement, path)
+        except CheckpointError as exc:
+            damaged.append(str(exc))
+            print(f"trainer: {exc}", flush=True)
+            continue
+        if damaged or world.grouped:
+            print(f"trainer: resumed from checkpoint {path} at step {read_progress(path)['step']}", flush=True)
+        return str(path)
+    raise CheckpointError(f"resume: no checkpoint under {checkpoint_root(out_dir)} reads whole; start over with "
+                          f"--overwrite. " + " ".join(damaged))
+
+
+def _load_embeddings(placement, path: Path) -> None:
+    """The placement's tables from checkpoint `path`; CheckpointError naming the file when they are
+    damaged (a PS server reports that as a remote error)."""
+    try:
+        placement.load(path / "embeddings")
+    except (ValueError, OSError, RemoteError) as exc:
+        raise CheckpointError(f"{exc}; resume from an older checkpoint or start over (--overwrite)") from None
 
 
 def save(cfg: JobConfig, world: World, placement, dense, progress: dict) -> None:
@@ -327,6 +366,17 @@ def _run_facts(cfg: JobConfig, world: World, progress: dict, seconds: float, sam
                                                              "unacknowledged_updates")}}
 
 
+def checkpoint_directory(checkpoint) -> Path:
+    """A step-N checkpoint directory, or the latest one of a run's output dir."""
+    path = Path(checkpoint)
+    if (path / "progress.json").is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"--checkpoint: {path} holds no training checkpoint")
+    return found
+
+
 def load_local(cfg: JobConfig, checkpoint):
     """(dense model, local placement, progress) of a local run's checkpoint (a step-N directory
     or an output dir, whose latest checkpoint is taken)."""
@@ -335,23 +385,20 @@ def load_local(cfg: JobConfig, checkpoint):
     if cfg.strategy.distributed:
         raise ConfigError(f"hybridrec eval reads checkpoints of local runs; this config's placement is "
                           f"{cfg.strategy.resolved['placement']!r}, whose tables live on its PS servers")
-    path = Path(checkpoint)
-    if not (path / "progress.json").is_file():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"--checkpoint: {path} holds no training checkpoint")
-        path = found
+    path = checkpoint_directory(checkpoint)
     tables = job_tables(cfg)
     model = dense_model(cfg, tables)
     placement = LocalPlacement(cfg, tables, World())
     progress = read_progress(path, cfg)
     model.load_state_dict(read_dense(path)["model"])
-    placement.load(path / "embeddings")
+    _load_embeddings(placement, path)
     return model, placement, {**progress, "checkpoint": str(path)}
 
 
-def evaluate_checkpoint(cfg: JobConfig, checkpoint) -> dict:
-    """Test metrics of a saved checkpoint of a local run."""
+def evaluate_checkpoint(cfg: JobConfig | None, checkpoint, config_name: str = "the config") -> dict:
+    """Test metrics of a saved checkpoint of a local run, with the config saved in it, or `cfg`
+    when that agrees with it on the model's shape."""
+    cfg = config_for_checkpoint(checkpoint_directory(checkpoint), cfg, config_name)
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     model, placement, progress = load_local(cfg, checkpoint)
