@@ -157,9 +157,10 @@ class PSClient:
                 raise ValueError(f"table {table!r} is not served; tables: {sorted(tables)}")
         return self._dims[table]
 
-    def _route(self, table: str, keys: np.ndarray) -> "_Fanout":
-        """Deduplicate `keys` and group the unique ones by shard."""
-        unique_keys, inverse = first_seen_unique(keys)
+    def _route(self, table: str, keys: np.ndarray, unique: bool = False) -> "_Fanout":
+        """Deduplicate `keys` (unless the caller made them `unique` already) and group the unique
+        ones by shard."""
+        unique_keys, inverse = (keys, np.arange(len(keys), dtype=np.int64)) if unique else first_seen_unique(keys)
         shard = route(unique_keys, table_route_id(table), self.num_shards)
         order = np.empty(len(unique_keys), dtype=np.int64)
         bounds = np.empty(self.num_shards + 1, dtype=np.int64)
@@ -202,8 +203,8 @@ class PSClient:
                 requests.append((s, current))
         return requests
 
-    def _route_tables(self, keys_by_table: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray],
-                                                                               list["_Fanout"]]:
+    def _route_tables(self, keys_by_table: Mapping[str, np.ndarray],
+                      unique: bool = False) -> tuple[list[str], list[np.ndarray], list["_Fanout"]]:
         """Tables, their checked keys and their fanouts, in the order of `keys_by_table`."""
         if not isinstance(keys_by_table, Mapping):
             raise TypeError(f"expected a dict of table name -> keys, got {type(keys_by_table).__name__}")
@@ -211,7 +212,7 @@ class PSClient:
         keys = [_check_keys(keys_by_table[t], f"keys of table {t!r}") for t in tables]
         for table in tables:
             self.dim(table)  # every table is served
-        return tables, keys, [self._route(t, k) for t, k in zip(tables, keys)]
+        return tables, keys, [self._route(t, k, unique) for t, k in zip(tables, keys)]
 
     def _many_requests(self, op: str, tables: list[str], fanouts: list["_Fanout"], meta: dict[str, Any],
                        grads: list[np.ndarray] | None = None):
@@ -231,12 +232,15 @@ class PSClient:
             requests.append((self._clients[s], op, arrays, part_meta))
         return plan, requests
 
-    def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True) -> dict[str, np.ndarray]:
+    def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True,
+                      unique: bool = False) -> dict[str, np.ndarray]:
         """{table: float32 [len(keys), dim] rows in the order of its keys} (absent keys read as zeros).
 
         One request per shard carries every table (more only past `max_keys_per_request` keys).
+        `unique`: each table's keys are distinct already (a batch layout's), so they are not
+        deduplicated again.
         """
-        tables, keys, fanouts = self._route_tables(keys_by_table)
+        tables, keys, fanouts = self._route_tables(keys_by_table, unique)
         plan, requests = self._many_requests("lookup_many", tables, fanouts, {"insert": bool(insert)})
         replies = request_all(requests, idempotent=True)
         rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, keys)]
@@ -258,8 +262,9 @@ class PSClient:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
         return self.lookup_tables({table: keys}, insert)[table]
 
-    def push_tables(self, grads_by_table: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> int:
-        """Send {table: (keys, grads)} (one row per key; equal keys are summed); returns dropped updates.
+    def push_tables(self, grads_by_table: Mapping[str, tuple[np.ndarray, np.ndarray]], unique: bool = False) -> int:
+        """Send {table: (keys, grads)} (one row per key; equal keys are summed, unless the caller
+        says the keys are `unique` already); returns dropped updates.
 
         A dropped update is a key the shard no longer holds (evicted or never admitted). Every
         table is checked before anything is sent, and each shard checks its whole request
@@ -270,7 +275,7 @@ class PSClient:
         for table, pair in grads_by_table.items():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise TypeError(f"grads_by_table[{table!r}] must be a (keys, grads) tuple, got {type(pair).__name__}")
-        tables, keys, fanouts = self._route_tables({t: pair[0] for t, pair in grads_by_table.items()})
+        tables, keys, fanouts = self._route_tables({t: pair[0] for t, pair in grads_by_table.items()}, unique)
         summed = []
         for table, table_keys, fanout in zip(tables, keys, fanouts):
             grads, dim = grads_by_table[table][1], self.dim(table)

@@ -162,7 +162,7 @@ class EmbeddingWorker(Service):
             self._count("lost_pulls")
             return Message("pull", meta={"lost": True})
         layout = self._layout(entry)
-        rows = self._client().lookup_tables(layout.unique, insert=train)
+        rows = self._client().lookup_tables(layout.unique, insert=train, unique=True)  # deduplicated by the layout
         meta: dict[str, Any] = {"lost": False, "batch_size": layout.batch_size, "num_features": layout.num_features,
                                 "layout": "unique" if self.unique_rows else "pooled"}
         if self.unique_rows:  # lossless: each unique row once; the NN worker pools (same layout, no index sent)
@@ -223,7 +223,7 @@ class EmbeddingWorker(Service):
                 self.counters["lost_pushes"] += 1
                 return Message("push", meta={"lost": True, "dropped": 0})
         try:
-            dropped = self._client().push_tables(grads)
+            dropped = self._client().push_tables(grads, unique=self.unique_rows)
         except TimeoutError:
             # a PS shard died mid-push: pushes are not retried (one may have been applied before the
             # crash), so this batch's update is lost on that shard, as asynchronous training allows

@@ -59,7 +59,7 @@ class _Direct:
 
     def lookup(self, layout, train: bool) -> Pulled:
         keys = {table: layout.unique[table] for table in layout.tables()}
-        rows = self.client.lookup_tables(keys, insert=train)
+        rows = self.client.lookup_tables(keys, insert=train, unique=True)  # the layout deduplicated them
         self.bytes_sent += sum(k.nbytes for k in keys.values())
         self.bytes_received += sum(r.nbytes for r in rows.values())
         return Pulled("unique", rows, layout.batch_size, layout.num_features, batch_layout=layout)
@@ -69,7 +69,7 @@ class _Direct:
         pairs = {table: (layout.unique[table], grads[table]) for table in layout.tables()}
         self.bytes_sent += sum(k.nbytes + g.nbytes for k, g in pairs.values())
         try:
-            return {"dropped": self.client.push_tables(pairs)}
+            return {"dropped": self.client.push_tables(pairs, unique=True)}
         except TimeoutError:  # a shard died mid-push: not retried, it may have been applied
             return {"unacknowledged": True}
 
