@@ -34,9 +34,9 @@ def join_process_group(backend: str) -> None:
     """`init_process_group` for a worker started by torchrun, in a key space of its own per restart.
 
     With torchrun's default env:// rendezvous, a worker group restarted after a failure
-    (--max-restarts) failed here to connect its gloo pairs or hung in init (torch 2.13: the same
-    happens with a ten-line script). Joining through the agent's store under a prefix named after
-    the restart count works every time, so that is what trainers do.
+    (--max-restarts) can fail to connect its gloo pairs or hang in init (torch 2.13, with any
+    script). Joining through the agent's store under a prefix named after the restart count keeps
+    each attempt's keys apart, so that is what trainers do.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)  # not under a torchrun agent: the usual env:// setup
