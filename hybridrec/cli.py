@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop the whole job after this long (exit code 124); default: no limit")
     p.add_argument("--ray", metavar="ADDRESS",
-                   help="place the roles on the Ray cluster at ADDRESS (HOST:6379, ray://HOST:10001) or `auto` "
+                   help="place the roles on the Ray cluster at ADDRESS (HOST:6379 of its head) or `auto` "
                         "(the Ray instance on this machine, started if none runs); needs hybridrec[ray]; each "
                         "role asks Ray for strategy.resources")
     from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments

@@ -16,14 +16,15 @@ ray = pytest.importorskip("ray", reason="the Ray tests need hybridrec[ray] (pip 
 from hybridrec.parallel.ray_launch import NAMESPACE  # noqa: E402
 from test_distributed import finish, steps_of_one_epoch, trained_steps, wait_for  # noqa: E402  (tests/ is on sys.path)
 
-JOB_SECONDS = 150  # bound on one job (the launcher's --timeout; `finish` kills it some time later)
+JOB_SECONDS = 240  # bound on one job (the launcher's --timeout; `finish` kills it some time later)
 
 
 @pytest.fixture(scope="module")
 def ray_address(tmp_path_factory):
-    """A local Ray instance with 2 CPUs; the jobs attach to it from their own process."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    """A new local Ray instance with 2 CPUs; the jobs attach to it from their own process. Its workers
+    run at normal priority, as in the instance `--ray auto` starts (Ray's default is nice 15)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), _system_config={"worker_niceness": 0})
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -126,3 +127,22 @@ def _answer(ask, *args):
         return ask(*args)
     except (TimeoutError, OSError, RuntimeError):
         return None
+
+
+def run_cli(*args: str, python_prelude: str = "") -> subprocess.CompletedProcess:
+    code = f"{python_prelude}\nimport sys\nfrom hybridrec.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_ray_arguments_are_one_line_with_exit_code_2(tmp_path, ray_address):
+    config = write_config(tmp_path)
+    host = run_cli("launch", str(config), "--ray", ray_address, "--host", "0.0.0.0")
+    assert host.returncode == 2 and host.stderr.strip().splitlines() == [
+        "hybridrec launch: error: --host 0.0.0.0 does not apply with --ray: each role binds its node's address "
+        "(loopback on a one-node cluster)"]
+    too_big = run_cli("launch", str(config), "--ray", ray_address, "--set", "strategy.resources.trainers.cpus=8")
+    assert too_big.returncode == 2, too_big.stderr
+    assert "strategy.resources" in too_big.stderr and "16.5 CPU" in too_big.stderr and "has 2" in too_big.stderr
+    assert "Traceback" not in too_big.stderr
+    without_ray = run_cli("launch", str(config), "--ray", "auto", python_prelude="import sys; sys.modules['ray'] = None")
+    assert without_ray.returncode == 2 and "pip install 'hybridrec[ray]'" in without_ray.stderr

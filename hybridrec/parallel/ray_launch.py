@@ -1,7 +1,7 @@
 """`hybridrec launch CONFIG --ray ADDRESS`: every role of a distributed job placed on a Ray cluster.
 
 The roles are the ones `hybridrec launch` builds (`launch.build_roles`), each run inside a Ray
-actor instead of a child process:
+actor (`ray_roles.py`) instead of a child process:
 
 * PS servers and embedding workers are actors pinned to a node (node affinity, not soft), each
   on a port picked on that node, with `max_restarts = role_restarts`. Ray restarts one that
@@ -16,11 +16,11 @@ actor instead of a child process:
 * Every line a role prints reaches this process through Ray's log forwarding and is shown as
   `[ps0] line`, `[ew0] line`, `[nn] line`; the launcher's own lines are `[launch] ...`.
 * The end of training, a role that died more often than its restarts, Ctrl-C / SIGTERM or
-  `timeout` kill every actor of the job; then a task on each PS node deletes the job's shared
-  memory there. Exit codes are `hybridrec launch`'s (0, 1, 124, 130; bad arguments raise
+  `timeout` kill every actor of the job; then a helper actor on each PS node deletes the job's
+  shared memory there. Exit codes are `hybridrec launch`'s (0, 1, 124, 130; bad arguments raise
   ValueError, which the command line turns into 2).
 
-`ADDRESS` is a Ray address (`HOST:6379`, `ray://HOST:10001`) or `auto`: attach to the Ray
+`ADDRESS` is a Ray cluster's address (`HOST:6379`) or `auto`: attach to the Ray
 instance running on this machine, or start one whose logical CPUs cover the job's request.
 On a one-node cluster roles bind loopback; on several nodes they bind their node's address and
 authenticate with a job key made per job, which each actor receives as an argument and puts
@@ -31,150 +31,24 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
-from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV
-from hybridrec.parallel.launch import (JobPlan, build_roles, check_arguments, check_config, free_ports,
-                                       launcher_environment, new_job_id, remove_dead_jobs_shared_memory,
-                                       remove_shared_memory, role_counts)
+from hybridrec.comm.auth import AUTH_KEY_ENV
+from hybridrec.parallel.launch import (JobPlan, build_roles, check_arguments, check_config, launcher_environment,
+                                       new_job_id, remove_dead_jobs_shared_memory, role_counts)
+from hybridrec.parallel.ray_roles import TRAINER, NodeAgent, ServiceHost, TrainerHost, flag_value
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT
 
 NAMESPACE = "hybridrec"
-TRAINER = "nn"  # the prefix of every trainer's lines, as under torchrun
 LOG_DRAIN_SECONDS = 1.0  # after the trainers finish: time for their last lines to be forwarded
 POLL_SECONDS = 0.2
 
 
-# ------------------------------------------------------------------------------ inside the actors
-def _enter_job(key: str | None, cwd: str) -> None:
-    """Run first in every actor: the job key in this process's environment (off loopback), and
-    the launcher's working directory when this node has it (config paths are relative to it)."""
-    if key is not None:
-        os.environ.pop(AUTH_KEY_FILE_ENV, None)
-        os.environ[AUTH_KEY_ENV] = key
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
-
-
-def _flag(argv: Sequence[str], flag: str) -> str:
-    return argv[list(argv).index(flag) + 1]
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-class ServiceHost:
-    """Runs one PS server or embedding worker (its `hybridrec.cli` argv) in this actor's process.
-
-    The constructor returns once the role accepts connections on its port, and raises if the
-    role exits first (a bad config, say: Ray then marks the actor dead without restarting it).
-    A role that stops later ends the whole process, so Ray restarts the actor."""
-
-    def __init__(self, name: str, argv: Sequence[str], key: str | None, cwd: str, startup_timeout: float):
-        _enter_job(key, cwd)
-        self.name, self.argv = name, list(argv)
-        self.exit: Any = None
-        self.serving = False
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-        host, port = _flag(argv, "--host"), int(_flag(argv, "--port"))
-        deadline = time.monotonic() + startup_timeout
-        while not _listening(host, port):
-            if not self.thread.is_alive():
-                raise RuntimeError(f"{name} exited ({self.exit}) before it listened on {host}:{port}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not listen on {host}:{port} within {startup_timeout:g}s")
-            time.sleep(0.1)
-        self.serving = True
-
-    def __repr__(self) -> str:  # Ray names the actor's log lines after it
-        return self.name
-
-    def _run(self) -> None:
-        from hybridrec.cli import main
-
-        try:
-            self.exit = f"exit code {main(self.argv)}"
-        except SystemExit as stop:
-            self.exit = f"exit code {stop.code}"
-        except BaseException:  # a bug: its traceback goes to the log
-            traceback.print_exc()
-            self.exit = "an exception"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if self.serving:  # stopped by itself after it served: let Ray restart the actor
-            print(f"{self.name} stopped ({self.exit}); ending its actor", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def watch(self) -> None:
-        """Returns (or fails) only when the role is gone."""
-        self.thread.join()
-
-
-class TrainerHost:
-    """One trainer rank: joins the torch.distributed group and runs the training loop."""
-
-    def __init__(self, key: str | None, cwd: str):
-        _enter_job(key, cwd)
-        import hybridrec.parallel.trainer  # noqa: F401  (torch and the loop load while the services start)
-
-    def __repr__(self) -> str:
-        return TRAINER
-
-    def endpoint(self, loopback: bool) -> tuple[str, int]:
-        """Where rank 0 serves the group's rendezvous store: this node's address and a free port."""
-        import ray
-
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return host, free_ports(1, host)[0]
-
-    def run(self, argv: Sequence[str], rank: int, world: int, master: tuple[str, int], attempt: int) -> int:
-        from hybridrec.parallel.trainer import main
-
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
-                          TORCHELASTIC_RESTART_COUNT=str(attempt))  # > 0: the trainer resumes
-        try:
-            return main(list(argv))
-        except SystemExit as stop:
-            return stop.code if isinstance(stop.code, int) else 2
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-
-
-class NodeAgent:
-    """The job's helper on one node that hosts PS servers or embedding workers: it picks their
-    ports there before they start, and deletes the job's shared memory there once they are dead.
-    (An actor rather than two tasks: Ray's idle task workers can crash as they exit.)"""
-
-    def endpoint(self, count: int, loopback: bool) -> tuple[str, list[int]]:
-        """The host roles on this node bind (loopback on a one-node cluster) and `count` free ports."""
-        import ray
-
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return host, free_ports(count, host)
-
-    def remove_memory(self, shm_names: Sequence[str], tables: Sequence[str]) -> list[str]:
-        return remove_shared_memory(shm_names, tables)
-
-
-# ------------------------------------------------------------------------------ the launcher
 @dataclass
 class _Service:
     name: str
@@ -186,16 +60,6 @@ class _Service:
     restarting: bool = False
     ask_at: float = 0.0       # restarting: when to ask again whether it is back
     deaths: int = 0
-
-
-@dataclass
-class RayJob:
-    """What `launch_on_ray` placed: for tests and tools that look at a running job."""
-
-    job: str
-    ps_addresses: list[str]
-    embedding_worker_addresses: list[str]
-    actor_names: dict[str, str] = field(default_factory=dict)  # role -> Ray actor name (namespace NAMESPACE)
 
 
 def _import_ray():
@@ -252,9 +116,18 @@ def connect(address: str, demand: dict[str, float]) -> bool:
         return False
     except ConnectionError:
         pass
+    # as many logical CPUs as the job asks for (like `hybridrec launch`, reserve no core), and the
+    # roles at normal priority: Ray runs workers at nice 15, below every other process here
     cpus = max(os.cpu_count() or 1, math.ceil(demand.get("CPU", 0)))
-    ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+    try:
+        ray.init(num_cpus=cpus, include_dashboard=False, _system_config={"worker_niceness": 0}, **quiet)
+    except Exception as error:  # Ray's own processes did not come up (an overloaded machine, say)
+        raise RayUnavailable(f"--ray auto: no Ray instance runs here and a new one did not start: {error}") from None
     return True
+
+
+class RayUnavailable(RuntimeError):
+    """Ray could not be started: the job fails (exit code 1), the arguments were fine."""
 
 
 def _alive_nodes() -> list[dict]:
@@ -293,13 +166,11 @@ def _check_total(nodes: list[dict], demand: dict[str, float]) -> None:
             total[resource] = total.get(resource, 0) + amount
     for resource, amount in demand.items():
         if total.get(resource, 0) < amount:
-            raise ValueError(f"strategy.resources: the job asks Ray for {amount:g} {resource} in all, the "
-                             f"cluster has {total.get(resource, 0):g}; lower strategy.resources.<role>.{_key(resource)} "
+            key, unit, scale = {"CPU": ("cpus", " CPU", 1), "GPU": ("gpus", " GPU", 1),
+                                "memory": ("memory_gb", " GiB of memory", 2**30)}[resource]
+            raise ValueError(f"strategy.resources: the job asks Ray for {amount / scale:g}{unit} in all, the "
+                             f"cluster has {total.get(resource, 0) / scale:g}; lower strategy.resources.<role>.{key} "
                              f"or add nodes")
-
-
-def _key(resource: str) -> str:
-    return {"CPU": "cpus", "GPU": "gpus", "memory": "memory_gb"}[resource]
 
 
 def _with(argv: Sequence[str], **values: str) -> list[str]:
@@ -324,8 +195,7 @@ class RayLauncher:
     """One job on a Ray cluster, from placement to teardown (see the module docstring)."""
 
     def __init__(self, plan: JobPlan, cfg, tables: list[str], demand: dict[str, float], *, trainers: int,
-                 max_restarts: int,
-                 role_restarts: int, grace: float, out: TextIO | None, started_ray: bool,
+                 max_restarts: int, role_restarts: int, grace: float, out: TextIO | None, started_ray: bool,
                  startup_timeout: float = 180.0):
         import ray
 
@@ -340,7 +210,8 @@ class RayLauncher:
         self.trainer_actors: list[Any] = []
         self.shm_nodes: dict[str, list[str]] = {}
         self.agents: dict[str, Any] = {}
-        self.info = RayJob(plan.job, [], [])
+        self.ps_addresses: list[str] = []
+        self.embedding_worker_addresses: list[str] = []
         self._lock = threading.Lock()
         self._signal: int | None = None
         self._key: str | None = None
@@ -396,7 +267,7 @@ class RayLauncher:
         return undo
 
     # ------------------------------------------------------------------ placement
-    def _plan_services(self) -> None:
+    def _plan_services(self, deadline: float | None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         ray, plan = self.ray, self.plan
@@ -417,7 +288,7 @@ class RayLauncher:
             node, soft=False)).remote() for node in per_node}
         endpoints = {node: self.agents[node].endpoint.remote(count, self._loopback)
                      for node, count in per_node.items()}
-        endpoints = {node: ray.get(ref, timeout=self.startup_timeout) for node, ref in endpoints.items()}
+        endpoints = {node: self._await(ref, deadline, "the node agent") for node, ref in endpoints.items()}
         if not self._loopback:
             self._key = (launcher_environment(endpoints[chosen[0]][0]) or {}).get(AUTH_KEY_ENV)
         addresses: dict[str, str] = {}
@@ -438,10 +309,22 @@ class RayLauncher:
         trainer_role = next(r for r in plan.roles if r.main)
         self.trainer_argv = _with(_trainer_argv(trainer_role.argv), ps=ps_list, embedding_workers=ew_list)
         self.trainer_options = trainer_options
-        self.info.ps_addresses = ps_list.split(",")
-        self.info.embedding_worker_addresses = [a for a in ew_list.split(",") if a]
+        self.ps_addresses = ps_list.split(",")
+        self.embedding_worker_addresses = [a for a in ew_list.split(",") if a]
 
     # ------------------------------------------------------------------ running
+    def _await(self, ref, deadline: float | None, what: str):
+        """ray.get(ref), watching for a signal and the deadline meanwhile; _Stop when the job ends."""
+        while not self.ray.wait([ref], timeout=POLL_SECONDS)[0]:
+            code = self._stopping(deadline)
+            if code is not None:
+                raise _Stop(code)
+        try:
+            return self.ray.get(ref)
+        except Exception as error:  # the actor died or raised
+            self.reason = f"{what} failed: {_cause(error)}"
+            raise _Stop(FAILED) from None
+
     def _stopping(self, deadline: float | None) -> int | None:
         if self._signal is not None:
             self.reason = f"interrupted by {signal.Signals(self._signal).name}"
@@ -463,7 +346,6 @@ class RayLauncher:
                 name=actor_name, namespace=NAMESPACE, max_restarts=self.role_restarts, max_task_retries=0,
                 max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(service.node, soft=False),
                 **service.options).remote(service.name, service.argv, self._key, self._cwd, self.startup_timeout)
-            self.info.actor_names[service.name] = actor_name
         pending = {s.actor.pid.remote(): s for s in services}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
@@ -474,7 +356,7 @@ class RayLauncher:
                 except Exception as error:  # the constructor raised or the actor died
                     self.reason = f"{service.name} did not start: {_cause(error)}"
                     return FAILED
-                self.log(f"{service.name} serves at {_flag(service.argv, '--host')}:{_flag(service.argv, '--port')} "
+                self.log(f"{service.name} serves at {flag_value(service.argv, '--host')}:{flag_value(service.argv, '--port')} "
                          f"(pid {pid}, node {service.node[:12]})")
                 service.call = service.actor.watch.remote()
             code = self._stopping(deadline)
@@ -487,10 +369,9 @@ class RayLauncher:
         self.trainer_actors = [cls.options(max_restarts=0, **self.trainer_options).remote(self._key, self._cwd)
                                for _ in range(self.trainers)]
 
-    def _start_trainers(self, attempt: int) -> list[Any]:
+    def _start_trainers(self, attempt: int, deadline: float | None) -> list[Any]:
         """Run the trainer group on the trainer actors (made already: see _create_trainers)."""
-        ray = self.ray
-        master = ray.get(self.trainer_actors[0].endpoint.remote(self._loopback), timeout=self.startup_timeout)
+        master = self._await(self.trainer_actors[0].endpoint.remote(self._loopback), deadline, "trainer rank 0")
         self.log(f"trainers: {self.trainers} rank(s), group at {master[0]}:{master[1]}"
                  + (f", attempt {attempt + 1}" if attempt else ""))
         return [actor.run.remote(self.trainer_argv, rank, self.trainers, master, attempt)
@@ -524,9 +405,15 @@ class RayLauncher:
             service.restarting, service.call = True, service.actor.pid.remote()
         return None
 
+    def _kill(self, actor) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+
     def _kill_trainers(self) -> None:
         for actor in self.trainer_actors:
-            self.ray.kill(actor, no_restart=True)
+            self._kill(actor)
         self.trainer_actors = []
 
     def _run(self, deadline: float | None) -> int:
@@ -536,7 +423,7 @@ class RayLauncher:
         if code is not None:
             return code
         attempt = 0
-        runs = self._start_trainers(attempt)
+        runs = self._start_trainers(attempt, deadline)
         finished: set = set()
         while True:
             for service in self.services:
@@ -568,7 +455,7 @@ class RayLauncher:
                 self._kill_trainers()
                 self._create_trainers()
                 attempt += 1
-                runs, finished = self._start_trainers(attempt), set()
+                runs, finished = self._start_trainers(attempt, deadline), set()
                 break
             if runs and all(r in finished for r in runs):
                 self.reason = "the trainers finished"
@@ -584,10 +471,7 @@ class RayLauncher:
         ray = self.ray
         actors = self.trainer_actors + [s.actor for s in self.services if s.actor is not None]
         for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+            self._kill(actor)
         deadline = time.monotonic() + self.grace
         for actor in actors:
             try:
@@ -604,7 +488,7 @@ class RayLauncher:
             except Exception as error:
                 self.log(f"could not delete the job's shared memory on node {node[:12]}: {_cause(error)}")
         for agent in self.agents.values():
-            ray.kill(agent, no_restart=True)
+            self._kill(agent)
 
     def run(self, timeout: float | None = None) -> int:
         """The whole job; the exit code. `reason` says why it ended."""
@@ -615,13 +499,15 @@ class RayLauncher:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 handlers[signum] = signal.signal(signum, self._on_signal)
         try:
-            self._plan_services()
-            self.log(f"job {self.plan.job} on Ray: {len(self.info.ps_addresses)} PS "
-                     f"({', '.join(self.info.ps_addresses)}), {len(self.info.embedding_worker_addresses)} "
-                     f"embedding worker(s) ({', '.join(self.info.embedding_worker_addresses)}), "
+            self._plan_services(deadline)
+            self.log(f"job {self.plan.job} on Ray: {len(self.ps_addresses)} PS ({', '.join(self.ps_addresses)}), "
+                     f"{len(self.embedding_worker_addresses)} embedding worker(s) "
+                     f"({', '.join(self.embedding_worker_addresses)}), "
                      f"{self.trainers} trainer(s)")
             remove_dead_jobs_shared_memory(self.log)
             return self._run(deadline)
+        except _Stop as stop:
+            return stop.code
         except BaseException:
             self.reason = self.reason or "the launcher failed"
             raise
@@ -637,6 +523,14 @@ class RayLauncher:
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
+
+
+class _Stop(Exception):
+    """The job ends while the launcher waits for something; `code` is its exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def _cause(error: BaseException | None) -> str:
@@ -670,7 +564,11 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
                        resume=resume, overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts,
                        checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
     tables = list(job_tables(cfg).all_tables())
-    started = connect(address, demand)
+    try:
+        started = connect(address, demand)
+    except RayUnavailable as error:
+        print(f"hybridrec launch: {error}", file=sys.stderr, flush=True)
+        return FAILED
     launcher = RayLauncher(plan, cfg, tables, demand, trainers=counts["trainers"], max_restarts=max_restarts,
                            role_restarts=role_restarts, grace=grace, out=out, started_ray=started)
     code = launcher.run(timeout)
