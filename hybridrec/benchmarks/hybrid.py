@@ -277,6 +277,7 @@ def codecs_report(raw: dict[str, list[dict]]) -> dict:
         summary["id_codec"], summary["value_codec"] = ids, values
         summary["bytes_reduction_vs_none"] = paired(raw[base_name], raw[name], "bytes_per_sample", _ratio)
         summary["auc_minus_none"] = paired(raw[name], raw[base_name], "auc", _difference)
+        summary["samples_per_s_vs_none"] = paired(raw[name], raw[base_name], "train_samples_per_s", _ratio)
         report[name] = summary
     best = report[codec_name(*CODECS[-1])]
     report["target_met"] = (_finite(best["bytes_reduction_vs_none"]) and _finite(best["auc_minus_none"])
@@ -289,12 +290,13 @@ def print_codecs(report: dict) -> None:
     jobs = len(report[codec_name(*CODECS[0])]["runs"])
     print(f"wire codecs under the sync discipline{_where(report)}, medians of {jobs} job(s)")
     print(f"{'ids/values':<12} {'bytes/sample':>12} {'x fewer':>8} {'auc':>8} {'auc - none':>10} "
-          f"{'logloss':>8} {'samples/s':>10}")
+          f"{'logloss':>8} {'samples/s':>10} {'x none':>7}")
     for ids, values in CODECS:
         r = report[codec_name(ids, values)]
         print(f"{codec_name(ids, values):<12} {_fmt(r['bytes_per_sample'], 0):>12} "
               f"{_fmt(r['bytes_reduction_vs_none'], 2):>8} {_fmt(r['auc']):>8} "
-              f"{_fmt(r['auc_minus_none'], 5):>10} {_fmt(r['logloss']):>8} {_fmt(r['samples_per_s'], 0):>10}")
+              f"{_fmt(r['auc_minus_none'], 5):>10} {_fmt(r['logloss']):>8} {_fmt(r['samples_per_s'], 0):>10} "
+              f"{_fmt(r['samples_per_s_vs_none'], 2):>7}")
     print(f"target (>= {CODEC_BYTES_TARGET:g}x fewer bytes, AUC cost < {CODEC_AUC_BUDGET}): "
           f"{'met' if report['target_met'] else 'NOT met'}")
 
@@ -368,9 +370,10 @@ def plot(reports: Sequence[dict], path: str, codecs: bool) -> None:
         axis.grid(alpha=0.3)
     axes[0].legend()
     settings = reports[0]["settings"]
-    jobs = len(reports[0][names[0]]["runs"])
-    figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainers, "
-                    f"{reports[0].get('emulation') or 'loopback'}; median and min-max of {jobs} job(s)", fontsize=9)
+    jobs = "/".join(dict.fromkeys(str(len(r[names[0]]["runs"])) for r in reports))  # per point, when they differ
+    where = (reports[0].get("emulation") or "loopback") if len(reports) == 1 else f"{len(reports)} link rates"
+    figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainer(s), {where}; "
+                    f"median and min-max of {jobs} job(s)", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
