@@ -57,6 +57,19 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
+def _service_main(argv: Sequence[str]) -> int:
+    """Run `hybridrec serve-ps ...` or `hybridrec embedding-worker ...` (argv without `hybridrec`)
+    through the role's own entry point (the command line sits above this package)."""
+    command, rest = argv[0], list(argv[1:])
+    if command == "serve-ps":
+        from hybridrec.ps.server import main
+    elif command == "embedding-worker":
+        from hybridrec.ps.embedding_worker import main
+    else:
+        raise ValueError(f"a Ray service runs serve-ps or embedding-worker, not {command!r}")
+    return main(rest, prog=f"hybridrec {command}") or 0
+
+
 class ServiceHost:
     """Runs one PS server or embedding worker (its `hybridrec.cli` argv) in this actor's process.
 
@@ -85,10 +98,8 @@ class ServiceHost:
         return self.name
 
     def _run(self) -> None:
-        from hybridrec.cli import main
-
         try:
-            self.exit = f"exit code {main(self.argv)}"
+            self.exit = f"exit code {_service_main(self.argv)}"
         except SystemExit as stop:
             self.exit = f"exit code {stop.code}"
         except BaseException:  # a bug: its traceback goes to the log
