@@ -127,6 +127,15 @@ def test_transfer_between_hosts_takes_at_least_size_over_rate(hosts_factory):
 
 
 @needs_namespaces
+def test_a_failed_build_deletes_only_what_it_made(hosts_factory):
+    first = hosts_factory(HostEmulation(2))
+    clash = EmulatedHosts(first.job, HostEmulation(2), {})  # the same names: `ip netns add` fails
+    with pytest.raises(emulated_hosts.EmulationFailed, match="ip netns add"):
+        clash.create()
+    assert sorted(job_namespaces(first.job)) == sorted([first.bridge, *first.namespaces])
+
+
+@needs_namespaces
 def test_latency_delays_the_handshake(hosts_factory):
     try:
         hosts = hosts_factory(HostEmulation(2, latency_ms=40.0))

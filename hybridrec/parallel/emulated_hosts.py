@@ -55,8 +55,9 @@ class EmulationUnsupported(ValueError):
     """This machine or process cannot emulate hosts (no privilege, no ip/tc, no netem)."""
 
 
-class EmulationFailed(RuntimeError):
-    """An ip or tc command failed while building the namespaces (everything built is deleted)."""
+class EmulationFailed(ValueError):
+    """An ip or tc command failed while building the namespaces (everything built is deleted).
+    A ValueError, like bad flags: the launcher reports it in one line (exit 2), nothing started."""
 
 
 def parse_rate(text: str) -> int:
