@@ -68,7 +68,7 @@ def test_a_preset_is_a_default_that_each_axis_may_override():
     ({"dense": "ps_async"}, "ps_async keeps the dense parameters on the PS servers"),
     ({"consistency": "bounded"}, "needs a remote placement"),
     ({"id_codec": "unique"}, "wire codecs need a remote placement"),
-    ({"name": "persia"}, "strategy.name ('persia') is now strategy.preset"),
+    ({"name": "persia"}, "strategy.name: ('persia') is now strategy.preset"),
 ])
 def test_unknown_values_and_impossible_combinations_are_refused_at_load_time(tmp_path, strategy, message):
     path = tmp_path / "job.yaml"

@@ -51,11 +51,14 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+REFUSAL_GRACE = 1.0  # seconds a client watches for a second broken handshake
+
+
 class ConnectionLost(TimeoutError):
     """The connection to the server closed while a reply was awaited (the server stopped or
     restarted, or a handshake broke off): the request is lost, and a retry goes to the server as
-    soon as it listens again. `handshake` holds the monitor event of a failed handshake: when
-    every attempt ends so, the client's key is the likely cause."""
+    soon as it listens again. `handshake` holds the monitor event of a broken handshake, if one
+    ended the connection."""
 
     def __init__(self, message: str, handshake: dict | None = None):
         super().__init__(message)
@@ -239,9 +242,9 @@ class Client:
             if self._socket not in ready:
                 if self._monitor in ready:
                     event = recv_monitor_message(self._monitor)
-                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the server refused our key
+                    if self._refused(event):
                         error = _handshake_error(self.address, self.key, event)
-                    else:  # a restarting server breaks off handshakes too: worth another attempt
+                    else:  # the server stopped, or a restarting one broke a handshake off: worth another attempt
                         error = ConnectionLost(f"the connection to {self.address} closed before the reply "
                                                "(the server stopped or restarted)",
                                                event if event["event"] & HANDSHAKE_FAILED else None)
@@ -257,6 +260,24 @@ class Client:
             if header["id"] in self._pending:
                 self._early[header["id"]] = (header, frames)
             # otherwise: a reply to a request abandoned before a reconnect, dropped
+
+    def _refused(self, event: dict[str, Any]) -> bool:
+        """Whether a monitor event means the server will not talk to this client's key (and not
+        that a restarting server broke one handshake off): a refusal by its ZAP handler, a key-less
+        client meeting a CURVE server (mechanism mismatch), or a broken handshake that happens
+        again within REFUSAL_GRACE seconds (a wrong or missing key breaks every one)."""
+        kind = event["event"]
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return True
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return True
+        if not kind & HANDSHAKE_FAILED:
+            return False
+        deadline = time.monotonic() + REFUSAL_GRACE
+        while (left := deadline - time.monotonic()) > 0:
+            if self._monitor.poll(int(left * 1000) + 1) and recv_monitor_message(self._monitor)["event"] & HANDSHAKE_FAILED:
+                return True
+        return False
 
     def abandon(self, request_id: int) -> None:
         """Stop waiting for `request_id`: its reply is dropped when it comes."""
@@ -285,8 +306,6 @@ class Client:
                 return self.receive(request_id, timeout)
             except TimeoutError as error:
                 if attempt + 1 == attempts:
-                    if isinstance(error, ConnectionLost) and error.handshake is not None:
-                        raise _handshake_error(self.address, self.key, error.handshake) from None
                     raise type(error)(
                         f"{op} to {self.address}: no reply after {attempts} attempt(s) ({error})"
                         + ("" if idempotent else "; it may or may not have been applied")
