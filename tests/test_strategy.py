@@ -103,6 +103,7 @@ def test_local_and_ps_sync_on_one_trainer_train_the_same_model(tmp_path):
         assert result["strategy"] == {"preset": "persia", "placement": "ps", "consistency": "sync",
                                       "dense": "allreduce", "id_codec": "unique", "value_codec": "none", "tau": 0}
         assert result["route"] == route and result["step"] == local["step"] == 16
+        assert result["bytes_per_sample"] > 0  # both routes count what crossed the wire
         assert result["auc"] == pytest.approx(local["auc"], abs=2e-4), (route, result["auc"], local["auc"])
         assert result["logloss"] == pytest.approx(local["logloss"], abs=2e-4), route
 

@@ -17,7 +17,7 @@ from hybridrec.config import ConfigError, JobConfig, TableSection
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding import TableConfig
 from hybridrec.job.sources import data_layout
-from hybridrec.models import model_class
+from hybridrec.models import build_model, model_class
 from hybridrec.embedding.layout import BatchLayout, batch_layout
 
 
@@ -113,3 +113,11 @@ def job_tables(cfg: JobConfig) -> JobTables:
                       if cls.needs_deep else ({}, {}))
     wide, wide_map = embedding_tables(cfg, sparse_names, 1, wide=True) if cls.needs_wide else ({}, {})
     return JobTables(sparse_names, num_dense, label_names, deep, deep_map, wide, wide_map)
+
+
+def job_dense_model(cfg: JobConfig, tables: JobTables):
+    """The job's dense model (on the CPU), sized by its tables: what trainers train and what PS
+    servers check dense parameters against."""
+    m = cfg.model
+    return build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
+                       num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)

@@ -219,7 +219,8 @@ class EmulatedHosts:
         self._created.append(name)
 
     def burst_bytes(self) -> int:
-        """The token bucket's burst: 1 ms at the link rate, at least 10 full frames."""
+        """Bytes the token bucket lets through at once: the link rate for 1 ms, but never fewer
+        than 10 full frames (tbf refuses a burst smaller than a frame)."""
         return max(15_000, (self.emulation.rate or 0) // 8 // 1000)
 
     def _shape(self, namespace: str, device: str) -> None:

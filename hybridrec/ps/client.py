@@ -139,6 +139,14 @@ class PSClient:
         self.codec = make_value_codec(value_codec, **codec_options)
         self._clients = [Client(a, timeout=timeout, retries=retries, key=key) for a in self.addresses]
         self._dims: dict[str, int] = {}
+        self.bytes_sent = self.bytes_received = 0  # array payload of embedding lookups and pushes
+
+    def _exchange(self, requests: list, idempotent: bool) -> list[Message]:
+        """`request_all`, counting the array payload each way."""
+        self.bytes_sent += sum(a.nbytes for _, _, arrays, _ in requests for a in arrays.values())
+        replies = request_all(requests, idempotent=idempotent)
+        self.bytes_received += sum(a.nbytes for reply in replies for a in reply.arrays.values())
+        return replies
 
     @property
     def num_shards(self) -> int:
@@ -242,7 +250,7 @@ class PSClient:
         """
         tables, keys, fanouts = self._route_tables(keys_by_table, unique)
         plan, requests = self._many_requests("lookup_many", tables, fanouts, {"insert": bool(insert)})
-        replies = request_all(requests, idempotent=True)
+        replies = self._exchange(requests, idempotent=True)
         rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, keys)]
         for (s, parts), reply in zip(plan, replies):
             codec_meta = reply.meta.get("codec_meta")
@@ -289,7 +297,7 @@ class PSClient:
             summed.append(np.zeros((len(fanout.unique_keys), dim), dtype=np.float32))
             _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed[-1])
         _, requests = self._many_requests("push_many", tables, fanouts, {}, summed)
-        return sum(int(reply.meta["dropped"]) for reply in request_all(requests, idempotent=False))
+        return sum(int(reply.meta["dropped"]) for reply in self._exchange(requests, idempotent=False))
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
         """Send gradients (one row per key; equal keys are summed); returns dropped updates.

@@ -412,14 +412,12 @@ def _config_job(parser: argparse.ArgumentParser, path: str,
     """Every table and the dense parameters' shapes of the job config at `path` (with `--set`
     overrides), as the trainers derive them."""
     from hybridrec.config import ConfigError, load_config
-    from hybridrec.job.tables import job_tables  # imports the models: only when asked
-    from hybridrec.models import build_model
+    from hybridrec.job.tables import job_dense_model, job_tables  # imports the models: only when asked
 
     try:
         cfg = load_config(path, sets)
-        tables, m = job_tables(cfg), cfg.model
-        model = build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
-                            num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)
+        tables = job_tables(cfg)
+        model = job_dense_model(cfg, tables)
     except (ConfigError, ValueError) as error:
         parser.error(f"--config {path}: {error}")
     return tables.all_tables(), {name: tuple(p.shape) for name, p in model.named_parameters()}

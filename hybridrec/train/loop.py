@@ -21,8 +21,7 @@ import torch
 
 from hybridrec.config import ConfigError, JobConfig
 from hybridrec.job.sources import build_sources
-from hybridrec.job.tables import job_tables
-from hybridrec.models import build_model
+from hybridrec.job.tables import job_dense_model, job_tables
 from hybridrec.strategy import build_strategy
 from hybridrec.strategy.world import World
 from hybridrec.comm.transport import RemoteError
@@ -59,10 +58,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def dense_model(cfg: JobConfig, tables) -> torch.nn.Module:
-    m = cfg.model
-    model = build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
-                        num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)
-    return model.to(resolve_device(cfg.train.device))
+    return job_dense_model(cfg, tables).to(resolve_device(cfg.train.device))
 
 
 def logits_of(module, inputs, batch, device: torch.device) -> torch.Tensor:
@@ -128,29 +124,29 @@ def open_checkpoint(out_dir: Path, resume: bool, overwrite: bool):
 def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bool) -> tuple[dict, dict | None]:
     """(progress, dense state or None): fresh, or the newest checkpoint that reads whole, its
     embeddings loaded. The leader chooses and loads; the others follow its choice or its error."""
-    chosen = None
+    found, chosen = None, None
     if world.leader:
         try:
-            chosen = ("ok", _load_newest_valid(cfg, world, placement, resume, overwrite))
+            found = _load_newest_valid(cfg, world, placement, resume, overwrite)
+            chosen = ("ok", None if found is None else str(found[0]))
         except Exception as exc:
             chosen = ("error", exc)
     outcome, value = world.broadcast(chosen)
     if outcome == "error":
         raise value
-    progress = {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}
     if value is None:
-        return progress, None
-    path = Path(value)
-    record = read_progress(path, cfg)
-    state = read_dense(path)
+        return {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}, None
+    record, state = found[1:] if found is not None else (read_progress(value, cfg), read_dense(value))
     world.barrier()
     positions = record.pop("next_batch_by_rank")
     return {**record, "next_batch": positions[world.rank]}, state
 
 
-def _load_newest_valid(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bool) -> str | None:
-    """The checkpoint to resume from (its tables loaded into `placement`), skipping damaged ones
-    with a word on each; None for a fresh run. Half-written checkpoints of dead runs are removed."""
+def _load_newest_valid(cfg: JobConfig, world: World, placement, resume: bool,
+                       overwrite: bool) -> tuple[Path, dict, dict] | None:
+    """(path, progress record, dense state) of the checkpoint to resume from, its tables loaded into
+    `placement`, skipping damaged ones with a word on each; None for a fresh run. Half-written
+    checkpoints of dead runs are removed."""
     out_dir = Path(cfg.train.output_dir)
     for removed in remove_interrupted_writes(out_dir):
         print(f"trainer: removed {removed}, a checkpoint whose writing was interrupted", flush=True)
@@ -160,18 +156,19 @@ def _load_newest_valid(cfg: JobConfig, world: World, placement, resume: bool, ov
     damaged = []
     for path in complete_checkpoints(out_dir):
         try:
-            positions = read_progress(path, cfg)["next_batch_by_rank"]
-            if len(positions) != world.size:
-                raise ConfigError(f"resume: {path} was written by {len(positions)} trainers; this job has {world.size}")
-            read_dense(path)
+            record = read_progress(path, cfg)
+            if len(record["next_batch_by_rank"]) != world.size:
+                raise ConfigError(f"resume: {path} was written by {len(record['next_batch_by_rank'])} trainers; "
+                                  f"this job has {world.size}")
+            state = read_dense(path)
             _load_embeddings(placement, path)
         except CheckpointError as exc:
             damaged.append(str(exc))
             print(f"trainer: {exc}", flush=True)
             continue
         if damaged or world.grouped:
-            print(f"trainer: resumed from checkpoint {path} at step {read_progress(path)['step']}", flush=True)
-        return str(path)
+            print(f"trainer: resumed from checkpoint {path} at step {record['step']}", flush=True)
+        return path, record, state
     raise CheckpointError(f"resume: no checkpoint under {checkpoint_root(out_dir)} reads whole; start over with "
                           f"--overwrite. " + " ".join(damaged))
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import PrefetchLoader
-from hybridrec.strategy.consistency.pipeline import ReadyBatch
+from hybridrec.strategy.consistency.pipeline import ReadyBatch, update_counts
 
 
 class InlineStream:
@@ -48,10 +48,8 @@ class InlineStream:
             yield ReadyBatch(index, batch, looked, 0)
 
     def push(self, ready: ReadyBatch, grads: dict) -> None:
-        reply = self._connection.update(ready.looked, grads)
-        self.counts["lost_batches"] += bool(reply.get("lost"))
-        self.counts["dropped_updates"] += int(reply.get("dropped", 0))
-        self.counts["unacknowledged_updates"] += bool(reply.get("unacknowledged"))
+        for key, count in zip(self.counts, update_counts(self._connection.update(ready.looked, grads))):
+            self.counts[key] += count
 
     def skip(self, ready: ReadyBatch) -> None:
         """`ready` will not be trained; nothing was taken from the placement that needs returning."""

@@ -30,6 +30,11 @@ _POLL = 0.1  # seconds between looks at the stop flag while waiting
 _END = object()
 
 
+def update_counts(reply: dict) -> tuple[int, int, int]:
+    """(lost batches, dropped updates, unacknowledged updates) of one update's reply."""
+    return int(bool(reply.get("lost"))), int(reply.get("dropped", 0)), int(bool(reply.get("unacknowledged")))
+
+
 @dataclass
 class ReadyBatch:
     """A batch with its embeddings, as the dense step gets it."""
@@ -132,9 +137,10 @@ class EmbeddingPipeline:
             looked, grads = item
             if looked is not None:
                 reply = connection.update(looked, grads)
-                self.lost_batches += bool(reply.get("lost"))
-                self.dropped_updates += int(reply.get("dropped", 0))
-                self.unacknowledged_updates += bool(reply.get("unacknowledged"))
+                lost, dropped, unacknowledged = update_counts(reply)
+                self.lost_batches += lost
+                self.dropped_updates += dropped
+                self.unacknowledged_updates += unacknowledged
             with self._cond:
                 self._acked += 1
                 self._cond.notify_all()

@@ -52,7 +52,14 @@ class _ThroughEmbeddingWorker:
 class _Direct:
     def __init__(self, client: PSClient, tables):
         self.client, self.tables = client, tables
-        self.bytes_sent = self.bytes_received = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.client.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.client.bytes_received
 
     def prepare(self, batch):
         return self.tables.layout(batch.sparse)
@@ -60,14 +67,11 @@ class _Direct:
     def lookup(self, layout, train: bool) -> Pulled:
         keys = {table: layout.unique[table] for table in layout.tables()}
         rows = self.client.lookup_tables(keys, insert=train, unique=True)  # the layout deduplicated them
-        self.bytes_sent += sum(k.nbytes for k in keys.values())
-        self.bytes_received += sum(r.nbytes for r in rows.values())
         return Pulled("unique", rows, layout.batch_size, layout.num_features, batch_layout=layout)
 
     def update(self, looked: Pulled, grads: dict) -> dict:
         layout = looked.batch_layout
         pairs = {table: (layout.unique[table], grads[table]) for table in layout.tables()}
-        self.bytes_sent += sum(k.nbytes + g.nbytes for k, g in pairs.values())
         try:
             return {"dropped": self.client.push_tables(pairs, unique=True)}
         except TimeoutError:  # a shard died mid-push: not retried, it may have been applied
