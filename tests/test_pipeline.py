@@ -61,8 +61,13 @@ def batches(cfg):
 def test_staleness_never_exceeds_tau_and_reaches_it_when_the_dense_step_is_slow(job, tau):
     cfg, placement, _ = job
     with EmbeddingPipeline(batches(cfg), placement.connect, tau) as pipeline:
-        for ready in pipeline:
-            time.sleep(0.01)  # a dense step much slower than a lookup
+        for handed, ready in enumerate(pipeline, start=1):
+            # a dense step slower than the lookups: it ends once the feeder has looked up as far
+            # ahead as tau lets it (or the data ends), however slow the machine is
+            ahead = min(tau, 20 - handed)
+            deadline = time.monotonic() + 30
+            while pipeline._ready.qsize() < ahead and time.monotonic() < deadline:
+                time.sleep(0.005)
             pipeline.push(ready, zeros(ready))
         pipeline.drain(60)
     assert len(pipeline.staleness) == 20

@@ -18,9 +18,10 @@ from hybridrec.strategy.inputs import EmbeddingInputs, Pulled
 from hybridrec.strategy.placement.embedding_worker_client import EmbeddingWorkerClient
 
 
-class _ThroughEmbeddingWorker:
-    def __init__(self, client: EmbeddingWorkerClient):
-        self.client = client
+class _Connection:
+    """A connection whose wire bytes are its client's (each client counts what it sends)."""
+
+    client: EmbeddingWorkerClient | PSClient
 
     @property
     def bytes_sent(self) -> int:
@@ -29,6 +30,14 @@ class _ThroughEmbeddingWorker:
     @property
     def bytes_received(self) -> int:
         return self.client.bytes_received
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _ThroughEmbeddingWorker(_Connection):
+    def __init__(self, client: EmbeddingWorkerClient):
+        self.client = client
 
     def prepare(self, batch) -> int:
         return self.client.put(batch.sparse)
@@ -45,21 +54,9 @@ class _ThroughEmbeddingWorker:
         except TimeoutError:  # the embedding worker died under the push: not retried, it may have been applied
             return {"unacknowledged": True}
 
-    def close(self) -> None:
-        self.client.close()
-
-
-class _Direct:
+class _Direct(_Connection):
     def __init__(self, client: PSClient, tables):
         self.client, self.tables = client, tables
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.client.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.client.bytes_received
 
     def prepare(self, batch):
         return self.tables.layout(batch.sparse)
@@ -76,9 +73,6 @@ class _Direct:
             return {"dropped": self.client.push_tables(pairs, unique=True)}
         except TimeoutError:  # a shard died mid-push: not retried, it may have been applied
             return {"unacknowledged": True}
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class PSPlacement:
