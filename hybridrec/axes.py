@@ -16,13 +16,15 @@ class AxisValue:
     module: str | None  # implementing module under hybridrec.strategy; None: not built yet
     summary: str
     issue: int | None = None  # the issue that builds it, while module is None
+    servers: tuple[str, ...] = ()  # placement: the server roles (strategy.roles keys) it runs besides trainers
 
 
 # axis -> value -> implementation. Codecs are the wire formats of hybridrec.comm.codec.
 AXES: dict[str, dict[str, AxisValue]] = {
     "placement": {
         "local": AxisValue("placement.local", "in-process stores, one fused native call per phase"),
-        "ps": AxisValue("placement.ps", "remote PS shards, through embedding workers or (none given) directly"),
+        "ps": AxisValue("placement.ps", "remote PS shards, through embedding workers or (none given) directly",
+                        servers=("ps_servers", "embedding_workers")),
         "sharded": AxisValue(None, "every trainer owns a shard of every table; AllToAll", 19),
         "field_sharded": AxisValue(None, "fields split among trainers (DES)", 22),
     },
@@ -118,6 +120,12 @@ def impossible(axes: dict[str, str]) -> str | None:
         if axes["id_codec"] != "none" or axes["value_codec"] != "none":
             return "wire codecs need a remote placement: the local placement sends nothing over a wire"
     return None
+
+
+def server_roles(axes: dict[str, str]) -> tuple[str, ...]:
+    """The server roles (keys of strategy.roles) the placement runs besides its trainers; a
+    placement whose trainers hold the tables themselves runs none."""
+    return AXES["placement"][axes["placement"]].servers
 
 
 def is_distributed(axes: dict[str, str]) -> bool:

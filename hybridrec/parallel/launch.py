@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence, TextIO
 
+from hybridrec.axes import server_roles
 from hybridrec.comm.auth import launcher_environment
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.parallel.supervisor import Role, Supervisor, proc_stat_fields
@@ -157,9 +158,10 @@ class JobPlan:
 
 def check_arguments(*, ps: int, embedding_workers: int, trainers: int, max_restarts: int = 0,
                     role_restarts: int = 3, resume: bool = False, overwrite: bool = False,
-                    timeout: float | None = None) -> None:
-    """ValueError naming the flag when a count or option of `hybridrec launch` is out of range."""
-    for flag, value, least in (("--ps", ps, 1), ("--embedding-workers", embedding_workers, 0),
+                    timeout: float | None = None, needs_ps: bool = True) -> None:
+    """ValueError naming the flag when a count or option of `hybridrec launch` is out of range.
+    `needs_ps`: the placement keeps its tables on PS servers (else it runs none)."""
+    for flag, value, least in (("--ps", ps, int(needs_ps)), ("--embedding-workers", embedding_workers, 0),
                                ("--trainers", trainers, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
@@ -185,18 +187,28 @@ def check_config(config: str, overrides: Sequence[str] = ()) -> JobConfig:
 
 def role_counts(cfg: JobConfig, ps: int | None = None, embedding_workers: int | None = None,
                 trainers: int | None = None) -> dict[str, int]:
-    """The counts given, the rest from the config's strategy.roles."""
-    roles = cfg.strategy.roles
-    return {"ps": roles.ps_servers if ps is None else ps,
-            "embedding_workers": roles.embedding_workers if embedding_workers is None else embedding_workers,
-            "trainers": roles.trainers if trainers is None else trainers}
+    """The counts given, the rest from the config's strategy.roles; server roles the placement does
+    not run (a `sharded` placement's trainers hold the tables) count 0, and asking for them is an
+    error."""
+    roles, needed = cfg.strategy.roles, server_roles(cfg.strategy.resolved)
+    counts = {"ps": roles.ps_servers if ps is None else ps,
+              "embedding_workers": roles.embedding_workers if embedding_workers is None else embedding_workers,
+              "trainers": roles.trainers if trainers is None else trainers}
+    for key, role, flag, given in (("ps", "ps_servers", "--ps", ps),
+                                   ("embedding_workers", "embedding_workers", "--embedding-workers", embedding_workers)):
+        if role not in needed:
+            if given:
+                raise ValueError(f"{flag} {given}: strategy.placement {cfg.strategy.placement!r} runs no {role} "
+                                 "(its trainers hold the tables); leave the flag out")
+            counts[key] = 0
+    return counts
 
 
 def command_line(config: str, counts: dict[str, int], overrides: Sequence[str] = ()) -> str:
     """The `hybridrec launch` command that runs this job with these counts."""
     sets = "".join(f" --set {item}" for item in overrides)
-    return (f"hybridrec launch {config} --ps {counts['ps']} --embedding-workers {counts['embedding_workers']} "
-            f"--trainers {counts['trainers']}{sets}")
+    servers = f"--ps {counts['ps']} --embedding-workers {counts['embedding_workers']} " if counts["ps"] else ""
+    return f"hybridrec launch {config} {servers}--trainers {counts['trainers']}{sets}"
 
 
 def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int,
@@ -210,7 +222,7 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int,
     `hosts`: emulated hosts (emulated_hosts.py) the roles run on, each server bound to its host's
     address, instead of `host` on this machine."""
     check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
-                    role_restarts=role_restarts, resume=resume, overwrite=overwrite)
+                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, needs_ps=ps > 0)
     job = job or new_job_id()
     servers = [f"ps{i}" for i in range(ps)] + [f"ew{e}" for e in range(embedding_workers)]
     if hosts is None:
@@ -296,7 +308,8 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
     counts = role_counts(cfg, ps, embedding_workers, trainers)
     ps, embedding_workers, trainers = counts["ps"], counts["embedding_workers"], counts["trainers"]
     check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,
-                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout)
+                    role_restarts=role_restarts, resume=resume, overwrite=overwrite, timeout=timeout,
+                    needs_ps="ps_servers" in server_roles(cfg.strategy.resolved))
     tables = list(job_tables(cfg).all_tables())
     job = new_job_id()
     hosts = None
@@ -312,9 +325,10 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
                            checkpoint_root=str(Path(cfg.train.output_dir).resolve()), hosts=hosts)
         supervisor = Supervisor(plan.roles, out=out, grace=grace)
         supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
-        supervisor.log(f"job {plan.job}: {ps} PS ({', '.join(plan.ps_addresses)}), "
-                       f"{embedding_workers} embedding worker(s) ({', '.join(plan.embedding_worker_addresses)}), "
-                       f"{trainers} trainer(s)")
+        servers = "".join(f"{count} {what} ({', '.join(addresses)}), " for count, what, addresses in (
+            (ps, "PS", plan.ps_addresses), (embedding_workers, "embedding worker(s)", plan.embedding_worker_addresses))
+            if count)
+        supervisor.log(f"job {plan.job}: {servers}{trainers} trainer(s)")
         remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
         if hosts is not None:
             hosts.announce(supervisor.log)

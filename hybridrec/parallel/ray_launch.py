@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
+from hybridrec.axes import server_roles
 from hybridrec.comm.auth import AUTH_KEY_ENV
 from hybridrec.parallel.launch import (JobPlan, build_roles, check_arguments, check_config, launcher_environment,
                                        new_job_id, remove_dead_jobs_shared_memory, role_counts)
@@ -309,7 +310,7 @@ class RayLauncher:
         trainer_role = next(r for r in plan.roles if r.main)
         self.trainer_argv = _with(_trainer_argv(trainer_role.argv), ps=ps_list, embedding_workers=ew_list)
         self.trainer_options = trainer_options
-        self.ps_addresses = ps_list.split(",")
+        self.ps_addresses = [a for a in ps_list.split(",") if a]
         self.embedding_worker_addresses = [a for a in ew_list.split(",") if a]
 
     # ------------------------------------------------------------------ running
@@ -557,7 +558,7 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
     counts = role_counts(cfg, ps, embedding_workers, trainers)
     check_arguments(ps=counts["ps"], embedding_workers=counts["embedding_workers"], trainers=counts["trainers"],
                     max_restarts=max_restarts, role_restarts=role_restarts, resume=resume, overwrite=overwrite,
-                    timeout=timeout)
+                    timeout=timeout, needs_ps="ps_servers" in server_roles(cfg.strategy.resolved))
     _import_ray()
     demand = job_demand(cfg.strategy.resources, counts)
     plan = build_roles(str(Path(config).resolve()), **counts, overrides=overrides, job=new_job_id(),

@@ -24,6 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from hybridrec.axes import server_roles
 from hybridrec.comm.transport import check_addresses
 from hybridrec.config import load_config
 from hybridrec.train.checkpoint import latest_checkpoint
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridrec.parallel.trainer", description=__doc__.split("\n")[0])
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    parser.add_argument("--ps", required=True, help="PS addresses, comma-separated, in shard order")
+    parser.add_argument("--ps", default="",
+                        help="PS addresses, comma-separated, in shard order (none: the placement runs no PS servers)")
     parser.add_argument("--embedding-workers", default="",
                         help="embedding worker addresses, in rank order (none: talk to the PS servers directly)")
     again = parser.add_mutually_exclusive_group()
@@ -62,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     try:
         cfg = load_config(args.config, args.set)
-        ps_addresses = check_addresses([a for a in args.ps.split(",") if a], "--ps")
-        ew_addresses = [a for a in args.embedding_workers.split(",") if a]
+        ps_addresses, ew_addresses = ([a for a in given.split(",") if a] for given in (args.ps, args.embedding_workers))
+        ps_addresses = check_addresses(ps_addresses, "--ps") if ps_addresses else []
         ew_addresses = check_addresses(ew_addresses, "--embedding-workers") if ew_addresses else []
+        if "ps_servers" in server_roles(cfg.strategy.resolved) and not ps_addresses:
+            raise ValueError(f"--ps: strategy.placement {cfg.strategy.placement!r} keeps its tables on PS servers; "
+                             "give their addresses (tcp://host:port, comma-separated)")
     except ValueError as error:  # ConfigError too
         parser.error(str(error))
     if not cfg.strategy.distributed:
