@@ -283,6 +283,20 @@ class ResourcesSection(_Section):
         return self
 
 
+class HierarchicalSection(_Section):
+    """Hierarchical Training (dense `groups`, preset `ht`) and its baseline (dense `easgd`): the
+    trainers form `groups` groups of equal size, each training ONE dense copy without locks
+    (Hogwild), and every group's copy is pulled toward a centre copy on the PS servers by elastic
+    averaging in a background thread. `easgd` is one group per trainer."""
+
+    groups: int = Field(1, ge=1, le=1024, description="groups: dense copies (the trainers divide evenly among them)")
+    group_ps: int = Field(0, ge=0, le=64, description="group PS processes per group; 0: the group's dense copy "
+                                                     "lives in shared memory on its trainers' host")
+    alpha: float = Field(0.1, gt=0, le=1, description="elastic averaging rate: each sync moves the copy and the "
+                                                     "centre alpha of the way toward each other")
+    period: int = Field(4, ge=1, le=1_000_000, description="steps of a copy between two elastic syncs")
+
+
 class StrategyConfig(_Section):
     """How a job trains: a preset named after a paper (`local`, `persia`) expanded to the four
     axes of hybridrec.axes, each of which may be set here to override the preset:
@@ -302,6 +316,7 @@ class StrategyConfig(_Section):
     max_buffered_batches: int = Field(256, ge=1, description="batches an embedding worker buffers; older ones are dropped and counted")
     roles: RolesSection = RolesSection()
     resources: ResourcesSection = ResourcesSection()
+    ht: HierarchicalSection = HierarchicalSection()
 
     @model_validator(mode="before")
     @classmethod
