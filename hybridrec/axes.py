@@ -37,8 +37,8 @@ AXES: dict[str, dict[str, AxisValue]] = {
     "dense": {
         "allreduce": AxisValue("dense.allreduce", "DDP AllReduce of dense gradients (plain with one trainer)"),
         "ps_async": AxisValue("dense.ps_async", "dense parameters on the PS, pushed and pulled without barriers"),
-        "easgd": AxisValue(None, "elastic averaging with a global dense PS (Hierarchical Training)", 20),
-        "groups": AxisValue(None, "Hogwild groups with EASGD between them (Hierarchical Training)", 20),
+        "easgd": AxisValue("dense.easgd", "a replica per trainer, elastic averaging with a centre on the PS (HT's baseline)"),
+        "groups": AxisValue("dense.groups", "a Hogwild copy per group of trainers, elastic averaging between groups (HT)"),
         "des": AxisValue(None, "distributed equivalent substitution of the first layers", 22),
     },
     "id_codec": {
@@ -60,9 +60,10 @@ PRESETS: dict[str, dict[str, str] | None] = {
     "het": None,
     "picasso": None,
     "des": None,
-    "ht": None,
+    "ht": {"placement": "ps", "consistency": "bounded", "dense": "groups",
+           "id_codec": "unique", "value_codec": "none"},
 }
-PRESET_ISSUES = {"het": 18, "picasso": 19, "des": 22, "ht": 20}
+PRESET_ISSUES = {"het": 18, "picasso": 19, "des": 22}
 DEFAULT_PRESET = "local"
 
 
@@ -111,6 +112,8 @@ def resolve(preset: str | None, chosen: dict[str, str | None]) -> dict[str, str]
 def impossible(axes: dict[str, str]) -> str | None:
     """Why this combination of axis values cannot run, or None."""
     placement, consistency, dense = axes["placement"], axes["consistency"], axes["dense"]
+    if dense in ("easgd", "groups") and placement != "ps":
+        return f"{dense} keeps the centre copy of the dense parameters on PS servers; allowed with placement ps"
     if placement == "local":
         if dense == "ps_async":
             return "ps_async keeps the dense parameters on the PS servers, and the local placement has none"

@@ -339,6 +339,20 @@ class StrategyConfig(_Section):
             object.__setattr__(self, axis, value)
         return self
 
+    @model_validator(mode="after")
+    def _groups_fit(self):
+        """Hierarchical Training's groups divide the trainers evenly; group PS processes are not built."""
+        if self.dense == "groups":
+            if self.roles.trainers % self.ht.groups:
+                raise ValueError(f"strategy.ht.groups {self.ht.groups}: {self.roles.trainers} trainers "
+                                 f"(strategy.roles.trainers) do not divide into {self.ht.groups} groups of equal "
+                                 "size; allowed: a divisor of the trainer count")
+            if self.ht.group_ps:
+                raise ValueError(f"strategy.ht.group_ps {self.ht.group_ps}: group PS processes that run placed "
+                                 "layers are not built (`hybridrec plan` shows where they would go); allowed: 0, "
+                                 "the group's copy in shared memory on its trainers' host")
+        return self
+
     @property
     def resolved(self) -> dict[str, str]:
         """The axis values this job runs with (the preset's, overridden by the axes set)."""

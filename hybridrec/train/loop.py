@@ -223,7 +223,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     tables = job_tables(cfg)
     sources = build_sources(cfg.data, cfg.seed, world.rank, world.size, with_best_auc=world.leader)
     strategy = build_strategy(cfg, tables, world, endpoints)
-    placement = strategy.placement
+    placement, dense = strategy.placement, None
     try:
         model = dense_model(cfg, tables)
         device = next(model.parameters(), torch.empty(0)).device
@@ -315,6 +315,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     progress.update(epoch=epoch + 1, next_batch=0)
             if progress["step"] == 0:
                 raise sources.no_training_rows(world.rank, world.size)
+            dense.finish_training()
             # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
             # must start from the state training left, whatever was evaluated in between
             save(cfg, world, placement, dense, progress)
@@ -323,12 +324,15 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             metrics = evaluate(model, placement, sources.test, sources.label_names, world)
             result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire),
                       "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts(),
+                      **dense.facts(world),
                       **({} if best is None else {"best_valid": best.record})}
             if world.leader:
                 reporter.final(progress["step"], result)
                 Path(cfg.train.output_dir, "final_metrics.json").write_text(json_text(result, indent=1))
         return result
     finally:
+        if dense is not None:
+            dense.close()
         strategy.close()
 
 

@@ -1,10 +1,12 @@
 """The dense-sync axis: how each trainer's dense parameters stay in step with the others'.
 
-A value is a class built with (model, cfg, world, placement) that offers `module` (what the
-loop calls forward on), `lockstep` (whether the trainers take every step together, so the loop
-may run collectives such as a mid-run evaluation), `begin_step()` / `finish_step()` around
-forward and backward, and `state()` / `load(state)` for checkpoints. `make_dense` builds the
-value named by `strategy.dense` from the module hybridrec.axes names for it.
+A value is a `DenseSync` built with (model, cfg, world, placement) that offers `module` (what
+the loop calls forward on), `lockstep` (whether the trainers take every step together, so the
+loop may run collectives such as a mid-run evaluation), `begin_step()` / `finish_step()` around
+forward and backward, `finish_training()` once every trainer is out of its training loop (a
+collective: the model becomes the one to evaluate and save), `facts(world)` for the result file
+(a collective), `state()` / `load(state)` for checkpoints, and `close()`. `make_dense` builds
+the value named by `strategy.dense` from the module hybridrec.axes names for it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,22 @@ import importlib
 import torch
 
 from hybridrec.axes import AXES
+
+
+class DenseSync:
+    """What every dense sync offers beyond its steps; the defaults suit a sync whose model needs
+    nothing at the end and reports nothing."""
+
+    lockstep = True
+
+    def finish_training(self) -> None:
+        pass
+
+    def facts(self, world) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def dense_optimizer(cfg, params) -> torch.optim.Optimizer:

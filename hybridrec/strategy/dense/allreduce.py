@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from hybridrec.strategy.dense import dense_optimizer, model_device
+from hybridrec.strategy.dense import DenseSync, dense_optimizer, model_device
 
 
-class AllReduceDense:
+class AllReduceDense(DenseSync):
     lockstep = True
 
     def __init__(self, model: torch.nn.Module, cfg, world, placement=None):

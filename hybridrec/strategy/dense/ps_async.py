@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from hybridrec.config import ConfigError
+from hybridrec.strategy.dense import DenseSync
 
 
-class ParameterServerDense:
+class ParameterServerDense(DenseSync):
     lockstep = False
 
     def __init__(self, model: torch.nn.Module, cfg, world, placement):

@@ -103,6 +103,10 @@ class PSPlacement:
         return EmbeddingInputs.from_pulled(looked, lambda: self.tables.layout(batch.sparse), self.tables.deep_dim,
                                            requires_grad)
 
+    def dense_client(self) -> PSClient:
+        """A PS client of its own for dense parameters, for a thread other than the loop's."""
+        return PSClient(self.ps_addresses, **self._options)
+
     def save(self, directory: Path) -> None:
         self.ps.checkpoint(directory)
 
