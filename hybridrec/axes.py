@@ -48,6 +48,7 @@ AXES: dict[str, dict[str, AxisValue]] = {
     "value_codec": {
         "none": AxisValue("comm.codec", "float32 rows and gradients"),
         "fp16": AxisValue("comm.codec", "fp16 with per-block L-infinity scaling"),
+        "bf16": AxisValue("comm.codec", "bfloat16 rounded to nearest even, no scale (HT §4.2)"),
     },
 }
 

@@ -309,7 +309,10 @@ class StrategyConfig(_Section):
     consistency: Optional[str] = Field(None, description="sync | bounded")
     dense: Optional[str] = Field(None, description="allreduce | ps_async")
     id_codec: Optional[str] = Field(None, description="ID features from trainer to embedding worker: none | unique")
-    value_codec: Optional[str] = Field(None, description="rows and gradients on the wire: none | fp16")
+    value_codec: Optional[str] = Field(None, description="rows and gradients on the wire: none | fp16 | bf16")
+    dense_codec: Literal["none", "bf16", "topk"] = Field("none", description="dense gradients of the allreduce "
+                                                          "sync: none | bf16 | topk (error feedback)")
+    topk_ratio: float = Field(0.01, gt=0, le=1, description="dense_codec topk: share of entries sent per step")
     tau: int = Field(4, ge=0, le=1024, description="bounded: batches in flight between lookup and update")
     request_timeout: float = Field(30.0, gt=0, description="seconds per request attempt")
     retries: int = Field(3, ge=0, le=100, description="retries of idempotent requests after a timeout")

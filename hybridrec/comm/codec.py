@@ -12,6 +12,8 @@ Two independent choices, each selected per job by name (Persia §4.2.3):
   - ``"none"``: float32 rows.
   - ``"fp16"``: every block of a row is scaled by K / ||block||_inf, cast to float16, and
     divided back on decode; the block's scale travels beside it as one float32.
+  - ``"bf16"``: bfloat16 bits (uint16), rounded to nearest even; no scale (bf16 keeps
+    float32's exponent range), relative error at most 2**-8 (see hybridrec.comm.compression).
 
 Every `encode` returns an `Encoded` (named arrays + small JSON-able metadata) whose `nbytes`
 is the payload it puts on the wire; `Encoded.arrays` are the frames `comm.transport` sends.
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from hybridrec.comm.compression import bf16_bits, bf16_floats
 from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding.dedupe import dedupe
 
@@ -486,8 +489,26 @@ class Fp16BlockCodec:
         return rows.reshape(n, dim)
 
 
+class Bf16ValueCodec:
+    """bfloat16 rows: the upper 16 bits of each float32, rounded to nearest even (uint16 on the
+    wire, 2 bytes a value, no scale)."""
+
+    name = "bf16"
+
+    def encode(self, rows: np.ndarray, argument: str = "rows") -> Encoded:
+        return Encoded(self.name, {"values": bf16_bits(_check_rows(rows, argument))})
+
+    def decode(self, encoded: Encoded) -> np.ndarray:
+        _expect_codec(encoded, self.name)
+        values = _array(encoded, "values", np.uint16)
+        if values.ndim != 2:
+            raise ValueError(f"encoded 'values' must be 2-D (rows, dim), got shape {values.shape}")
+        return bf16_floats(values)
+
+
 ID_CODECS = {RawIdCodec.name: RawIdCodec, UniqueIdCodec.name: UniqueIdCodec}
-VALUE_CODECS = {RawValueCodec.name: RawValueCodec, Fp16BlockCodec.name: Fp16BlockCodec}
+VALUE_CODECS = {RawValueCodec.name: RawValueCodec, Fp16BlockCodec.name: Fp16BlockCodec,
+                Bf16ValueCodec.name: Bf16ValueCodec}
 
 
 def make_id_codec(name: str, **options: Any) -> RawIdCodec | UniqueIdCodec:
@@ -497,8 +518,8 @@ def make_id_codec(name: str, **options: Any) -> RawIdCodec | UniqueIdCodec:
     return ID_CODECS[name](**options)
 
 
-def make_value_codec(name: str, **options: Any) -> RawValueCodec | Fp16BlockCodec:
-    """The value codec called `name` ("none" or "fp16")."""
+def make_value_codec(name: str, **options: Any) -> RawValueCodec | Fp16BlockCodec | Bf16ValueCodec:
+    """The value codec called `name` ("none", "fp16" or "bf16")."""
     if name not in VALUE_CODECS:
         raise ValueError(f"value codec must be one of {sorted(VALUE_CODECS)}, got {name!r}")
     return VALUE_CODECS[name](**options)
