@@ -132,6 +132,15 @@ def cmd_launch(args) -> int:
         return 2
 
 
+def cmd_plan(args) -> int:
+    from hybridrec.config import load_config
+    from hybridrec.strategy.operator_placement import plan_for_config
+
+    plan = plan_for_config(load_config(args.config, args.set))
+    print(json.dumps(plan.to_json()) if args.json else plan.format())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrec", description="Train CTR models whose embeddings outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print every model (model.name) with its hyper-parameters (model.hparams), "
                        "their defaults and what they do.")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("plan", help="print where Hierarchical Training places the dense model's operators",
+                       description="Place the dense model's operators on a group's trainers and group PSs "
+                       "(strategy.ht.group_ps) with the cost model of strategy.ht.plan: rule-based tags, then "
+                       "greedy refinement; prints module -> device, each device's utilisation and the bottleneck.")
+    p.add_argument("config", help="YAML job file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set strategy.ht.group_ps=2 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON line")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("bench", help="benchmarks against peers", description="Benchmarks; each prints ratios "
                        "against peers measured in the same run. Options after the name go to the benchmark "

@@ -283,6 +283,18 @@ class ResourcesSection(_Section):
         return self
 
 
+class PlanSection(_Section):
+    """The cost model `hybridrec plan` places the dense model's operators with (HT §3.2.1): each
+    trainer's and group PS's CPU, network and memory, and how long greedy refinement may run."""
+
+    trainer_gflops: float = Field(50.0, gt=0, description="a trainer's dense compute, GFLOP/s")
+    group_ps_gflops: float = Field(50.0, gt=0, description="a group PS's dense compute, GFLOP/s")
+    network_gbit: float = Field(10.0, gt=0, description="each device's network bandwidth each way, Gbit/s")
+    trainer_memory_gb: float = Field(16.0, gt=0, description="memory a trainer gives the dense part, GiB")
+    group_ps_memory_gb: float = Field(16.0, gt=0, description="memory of a group PS, GiB")
+    refine_seconds: float = Field(5.0, ge=0, le=3600, description="time limit of the greedy refinement")
+
+
 class HierarchicalSection(_Section):
     """Hierarchical Training (dense `groups`, preset `ht`) and its baseline (dense `easgd`): the
     trainers form `groups` groups of equal size, each training ONE dense copy without locks
@@ -295,6 +307,7 @@ class HierarchicalSection(_Section):
     alpha: float = Field(0.1, gt=0, le=1, description="elastic averaging rate: each sync moves the copy and the "
                                                      "centre alpha of the way toward each other")
     period: int = Field(4, ge=1, le=1_000_000, description="steps of a copy between two elastic syncs")
+    plan: PlanSection = PlanSection()
 
 
 class StrategyConfig(_Section):
