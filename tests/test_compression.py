@@ -55,6 +55,25 @@ def test_bf16_value_codec_on_the_embedding_wire():
     assert np.array_equal(decode_rows(codec, encode_rows(codec, narrow)), bf16_floats(bf16_bits(narrow)))
 
 
+def test_bf16_value_codec_through_a_ps_server(tmp_path):
+    from hybridrec.ps import PSClient, serve
+
+    tables = {"user": {"dim": 8, "capacity": 1000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
+    server = serve(tables=tables, block=False, checkpoint_root=tmp_path)
+    keys = np.arange(1, 301, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    try:
+        with PSClient([server.address], value_codec="none", timeout=120) as exact, \
+                PSClient([server.address], value_codec="bf16", timeout=120) as compressed:
+            rows = exact.lookup("user", keys)
+            approx = compressed.lookup("user", keys, insert=False)
+            assert compressed.push("user", keys, np.ones((len(keys), 8), np.float32)) == 0
+            updated = exact.lookup("user", keys, insert=False)
+    finally:
+        assert server.stop(timeout=5)
+    assert np.array_equal(approx, bf16_floats(bf16_bits(rows)))
+    np.testing.assert_allclose(updated, rows - 0.5, rtol=1e-6, atol=1e-6)  # the bf16 gradients of 1 arrive exactly
+
+
 @pytest.mark.parametrize("block_size", [None, 16, 50])
 def test_int8_round_trip_error_bound_and_bytes(block_size):
     x = _tensor(3, (40, 32))
