@@ -293,6 +293,9 @@ class PlanSection(_Section):
     trainer_memory_gb: float = Field(16.0, gt=0, description="memory a trainer gives the dense part, GiB")
     group_ps_memory_gb: float = Field(16.0, gt=0, description="memory of a group PS, GiB")
     refine_seconds: float = Field(5.0, ge=0, le=3600, description="time limit of the greedy refinement")
+    wire_codec: Literal["none", "bf16", "int8"] = Field("none", description="activations and gradients between "
+                                                         "trainers and group PSs: none | bf16 | int8 (int8 "
+                                                         "activations, bf16 gradients)")
 
 
 class HierarchicalSection(_Section):

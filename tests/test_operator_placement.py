@@ -6,14 +6,17 @@ import json
 import random
 
 import pytest
+import torch
 from torch import nn
 
 from hybridrec.cli import main as cli_main
+from hybridrec.comm.compression import Int8Codec
 from hybridrec.config import load_config
 from hybridrec.models import build_model
-from hybridrec.strategy.operator_placement import (TRAINER, CostModel, Device, PlanError, _better, _Evaluator, cheaper_split,
-                                                   plan_graph, plan_model, refine, rule_based, sample_inputs,
-                                                   split_oversized, trace_model, write_plan)
+from hybridrec.strategy.operator_placement import (INT8_BLOCK, TRAINER, WIRE_CODECS, CostModel, Device, Edge,
+                                                   PlanError, _better, _Evaluator, cheaper_split, plan_graph, refine,
+                                                   rule_based, sample_inputs, split_oversized, trace_model,
+                                                   wire_bytes, write_plan)
 
 MODELS = {
     "lr": {},
@@ -91,6 +94,21 @@ def test_refinement_never_makes_the_bottleneck_worse(graphs):
             assert moves == 0 or _better(after.key(), before.key())
             moved += moves
     assert moved > 0  # the property is not vacuous: refinement moved operators in some cases
+
+
+def test_a_wire_codec_scales_the_bytes_between_devices_exactly(graphs):
+    _, graph = graphs["dlrm"]
+    devices = (Device(TRAINER, 1e10, 1e9, GIB), Device("ps0", 1e10, 1e9, GIB), Device("ps1", 1e10, 1e9, GIB))
+    plain = CostModel(devices)
+    assign = rule_based(graph, plain)
+    net = {codec: _Evaluator(graph, CostModel(devices, wire_codec=codec))(assign).net_s for codec in WIRE_CODECS}
+    assert net["none"][1] > 0
+    for d in range(3):
+        assert net["bf16"][d] == pytest.approx(net["none"][d] / 2)
+        assert net["int8"][d] < net["bf16"][d] or net["none"][d] == 0
+    edge = Edge(0, 1, nbytes=100 * 16 * 4, grad=True, blocks=25)  # a [100, 16] float32 activation
+    assert wire_bytes(edge, "int8") == (100 * 16 + 25 * 4, 100 * 16 * 2)  # int8 + a scale a block; bf16 back
+    assert Int8Codec(block_size=INT8_BLOCK).encode(torch.zeros(100, 16)).nbytes == wire_bytes(edge, "int8")[0]
 
 
 def test_a_plan_that_cannot_meet_a_memory_limit_is_refused_with_the_module_and_device(graphs):

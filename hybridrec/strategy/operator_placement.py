@@ -32,8 +32,10 @@ group PS runs its operators (and applies their optimizer updates) t times. Every
 two devices goes through the trainer that runs the batch (trainers drive the loop; a group PS
 returns its outputs to the caller), forward and, when it carries a gradient, backward; a device
 sends and receives at the same time (full duplex), so its network time is the larger of the two
-over its bandwidth. Backward costs twice the forward FLOPs of a parameter-owning operator and
-once those of glue.
+over its bandwidth. A wire codec (`wire_codec`: bf16, or int8 activations with bf16 gradients,
+hybridrec.comm.compression) scales those bytes exactly; its CPU cost is not modelled (the paper
+leaves that to future work too). Backward costs twice the forward FLOPs of a parameter-owning
+operator and once those of glue.
 
 Executing a plan (the net transformation: running a group PS's layers in its process, with
 activations forward and gradients back over the wire) is not part of this module; the plan is
@@ -60,6 +62,19 @@ INPUT, LOSS = "(input)", "(loss)"
 OPTIMIZER_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # float tensors per parameter besides weight and grad
 OPTIMIZER_FLOPS_PER_VALUE = {"sgd": 2, "adagrad": 5, "adam": 10}
 PLAN_FILE = "plan.json"
+WIRE_CODECS = ("none", "bf16", "int8")  # int8: activations int8 with a float32 scale a block, gradients bf16
+INT8_BLOCK = 64  # values per int8 scale (Int8Codec(block_size=64)): narrow activations need no scale a row
+
+
+def wire_bytes(edge: "Edge", codec: str) -> tuple[float, float]:
+    """(forward, backward) bytes of an edge's tensors under a wire codec of
+    hybridrec.comm.compression: bf16 halves both; int8 sends a byte a value plus one float32
+    scale per INT8_BLOCK values forward (Int8Codec(block_size=INT8_BLOCK)) and bf16 gradients back."""
+    if codec == "none":
+        return float(edge.nbytes), float(edge.nbytes)
+    if codec == "bf16":
+        return edge.nbytes / 2, edge.nbytes / 2
+    return edge.nbytes / 4 + 4 * edge.blocks, edge.nbytes / 2
 
 
 class PlanError(UserError):
@@ -82,8 +97,9 @@ class Operator:
 class Edge:
     src: int
     dst: int
-    nbytes: int
+    nbytes: int  # as float32
     grad: bool  # a gradient of the same size comes back
+    blocks: int = 0  # blocks of INT8_BLOCK values of its tensors: one int8 scale each
 
 
 @dataclass
@@ -135,6 +151,12 @@ class _Trace(TorchDispatchMode):
         self.ops.append(Operator(f"{base}#{self.glue_count[base]}", "glue"))
         return len(self.ops) - 1
 
+    def _edge(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        edge = self.edges.setdefault((src, dst), [0, False, 0])
+        edge[0] += tensor.numel() * tensor.element_size()
+        edge[1] |= self.grad.get(id(tensor), False)
+        edge[2] += -(-tensor.numel() // INT8_BLOCK)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -147,9 +169,7 @@ class _Trace(TorchDispatchMode):
             needs_grad |= self.grad.get(id(tensor), False)
             if src is not None and src != op and (id(tensor), op) not in self.seen:
                 self.seen.add((id(tensor), op))
-                edge = self.edges.setdefault((src, op), [0, False])
-                edge[0] += tensor.numel() * tensor.element_size()
-                edge[1] |= self.grad.get(id(tensor), False)
+                self._edge(src, op, tensor)
         aliases = any(r.alias_info is not None for r in func._schema.returns)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         packet = func.overloadpacket
@@ -191,15 +211,12 @@ def trace_model(model: nn.Module, inputs: tuple, grad_inputs: tuple[bool, ...]) 
             out = model(*inputs)
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and id(tensor) in trace.producer:
-                src = trace.producer[id(tensor)]
-                edge = trace.edges.setdefault((src, 1), [0, False])
-                edge[0] += tensor.numel() * tensor.element_size()
-                edge[1] |= trace.grad.get(id(tensor), False)
+                trace._edge(trace.producer[id(tensor)], 1, tensor)
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    edges = [Edge(src, dst, nbytes, grad) for (src, dst), (nbytes, grad) in trace.edges.items()]
+    edges = [Edge(src, dst, nbytes, grad, blocks) for (src, dst), (nbytes, grad, blocks) in trace.edges.items()]
     batch = next((t.shape[0] for t in inputs if t is not None), 0)
     return OpGraph(trace.ops, edges, int(batch))
 
@@ -221,10 +238,13 @@ class CostModel:
     devices: tuple[Device, ...]
     trainers: int = 1
     optimizer: str = "adam"
+    wire_codec: str = "none"  # activations and gradients between devices (hybridrec.comm.compression)
 
     def __post_init__(self):
         if not self.devices or self.devices[0].name != TRAINER:
             raise ValueError(f"devices must start with the trainer, got {[d.name for d in self.devices]}")
+        if self.wire_codec not in WIRE_CODECS:
+            raise ValueError(f"wire_codec must be one of {list(WIRE_CODECS)}, got {self.wire_codec!r}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
         if self.trainers < 1:
@@ -274,6 +294,7 @@ class _Evaluator:
         self.work = [op.flops * (3 if op.kind == "params" else 2) + update * op.param_bytes / 4 for op in graph.ops]
         self.state = [op.param_bytes * (2 + states) for op in graph.ops]
         self.rounds = [1] + [cost.trainers] * (len(cost.devices) - 1)  # batches a device runs per round
+        self.wire = [wire_bytes(edge, cost.wire_codec) for edge in graph.edges]
 
     def op_memory(self, i: int, device: int) -> float:
         return self.state[i] + self.rounds[device] * self.graph.ops[i].output_bytes
@@ -284,16 +305,16 @@ class _Evaluator:
         for i, d in enumerate(assign):
             work[d] += self.rounds[d] * self.work[i]
             memory[d] += self.op_memory(i, d)
-        for edge in self.graph.edges:
+        for edge, (forward, backward) in zip(self.graph.edges, self.wire):
             a, b = assign[edge.src], assign[edge.dst]
             if a == b:
                 continue
-            for src, dst in ((a, b), (b, a)) if edge.grad else ((a, b),):
-                sent[src] += self.rounds[src] * edge.nbytes
-                received[dst] += self.rounds[dst] * edge.nbytes
+            for src, dst, nbytes in ((a, b, forward), (b, a, backward)) if edge.grad else ((a, b, forward),):
+                sent[src] += self.rounds[src] * nbytes
+                received[dst] += self.rounds[dst] * nbytes
                 if src and dst:  # group PS to group PS goes through the trainer
-                    received[0] += edge.nbytes
-                    sent[0] += edge.nbytes
+                    received[0] += nbytes
+                    sent[0] += nbytes
         devices = self.cost.devices
         return Costs([w / d.flops for w, d in zip(work, devices)],
                      [max(s, r) / d.network for s, r, d in zip(sent, received, devices)],
@@ -372,13 +393,14 @@ def split_operator(graph: OpGraph, i: int, parts: int, how: str | None = None) -
         if e.dst == i:
             for j in range(parts):
                 nbytes = e.nbytes if how == "vertical" else e.nbytes // parts
-                edges.append(Edge(moved(e.src), first + j, nbytes, e.grad))
+                edges.append(Edge(moved(e.src), first + j, nbytes, e.grad, e.blocks))
         elif e.src == i:
-            edges.append(Edge(join, moved(e.dst), e.nbytes, e.grad))
+            edges.append(Edge(join, moved(e.dst), e.nbytes, e.grad, e.blocks))
         else:
-            edges.append(Edge(moved(e.src), moved(e.dst), e.nbytes, e.grad))
+            edges.append(Edge(moved(e.src), moved(e.dst), e.nbytes, e.grad, e.blocks))
     for j in range(parts):
-        edges.append(Edge(first + j, join, new_ops[first + j].output_bytes, True))
+        blocks = -(-new_ops[first + j].output_bytes // 4 // INT8_BLOCK)
+        edges.append(Edge(first + j, join, new_ops[first + j].output_bytes, True, blocks))
     return OpGraph(new_ops, edges, graph.batch_size)
 
 
@@ -516,13 +538,15 @@ class Plan:
     moves: int
     refine_seconds: float
     splits: list[dict] = field(default_factory=list)
+    wire_codec: str = "none"
 
     def to_json(self) -> dict:
         return asdict(self)
 
     def format(self) -> str:
         lines = [f"operator placement for one group: {self.trainers} trainer(s) x batch {self.batch_size}, "
-                 f"group PSs {', '.join(self.devices[1:]) or 'none (the dense copy stays on the trainers)'}"]
+                 f"group PSs {', '.join(self.devices[1:]) or 'none (the dense copy stays on the trainers)'}, "
+                 f"wire codec {self.wire_codec}"]
         lines.append("parameter-owning modules:")
         width = max((len(m) for m in self.modules), default=0)
         lines += [f"  {module:<{width}}  -> {', '.join(devices)}" for module, devices in self.modules.items()]
@@ -584,7 +608,7 @@ def plan_graph(graph: OpGraph, cost: CostModel, refine_seconds: float = 5.0, lin
         if op.kind == "params":
             modules.setdefault(op.module or op.name, []).append(names[d])
     return Plan(names, cost.trainers, graph.batch_size, placement, modules, stats, bottleneck,
-                rule_costs.bottleneck_s, moves, spent, splits)
+                rule_costs.bottleneck_s, moves, spent, splits, cost.wire_codec)
 
 
 def placed_modules(graph: OpGraph) -> list[str]:
@@ -611,7 +635,7 @@ def cost_model(cfg) -> CostModel:
     group_ps = [Device(f"ps{j}", plan.group_ps_gflops * 1e9, plan.network_gbit * 1e9 / 8,
                        plan.group_ps_memory_gb * 2**30) for j in range(ht.group_ps)]
     trainers = max(1, cfg.strategy.roles.trainers // ht.groups)
-    return CostModel((trainer, *group_ps), trainers, cfg.train.dense_optimizer.name)
+    return CostModel((trainer, *group_ps), trainers, cfg.train.dense_optimizer.name, plan.wire_codec)
 
 
 def plan_model(model: nn.Module, cost: CostModel, batch_size: int, refine_seconds: float = 5.0) -> Plan:
