@@ -136,7 +136,7 @@ def cmd_plan(args) -> int:
     from hybridrec.config import load_config
     from hybridrec.strategy.operator_placement import plan_for_config
 
-    plan = plan_for_config(load_config(args.config, args.set))
+    plan = plan_for_config(load_config(args.config, args.set), args.group_ps)
     print(json.dumps(plan.to_json()) if args.json else plan.format())
     return 0
 
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML job file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set strategy.ht.group_ps=2 (repeatable)")
+    p.add_argument("--group-ps", type=int, metavar="P", help="group PSs per group to plan for (default: "
+                   "strategy.ht.group_ps; with 0 every operator stays on the trainers)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON line")
     p.set_defaults(func=cmd_plan)
 

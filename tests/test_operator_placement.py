@@ -145,15 +145,15 @@ def test_an_fc_too_big_for_one_group_ps_is_split_over_several():
 
 
 def test_plan_command_prints_a_shipped_configs_plan(capsys, tmp_path):
-    args = ["plan", "configs/dlrm_synthetic.yaml", "--set", "strategy.ht.group_ps=2", "--set",
-            "strategy.ht.plan.refine_seconds=1", "--set", "data.batch_size=256"]
+    args = ["plan", "configs/dlrm_synthetic.yaml", "--group-ps", "2", "--set", "strategy.ht.plan.refine_seconds=1",
+            "--set", "data.batch_size=256"]
     assert cli_main(args) == 0
     text = capsys.readouterr().out
     assert "top.layers.0" in text and "-> ps" in text and "bottleneck:" in text and "cpu util" in text
     assert cli_main(args + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert set(plan["devices_stats"]) == {"trainer", "ps0", "ps1"} and plan["bottleneck"]["device"] in plan["devices"]
-    assert cli_main(["plan", "configs/dlrm_synthetic.yaml", "--set", "strategy.ht.group_ps=1", "--set",
+    assert cli_main(["plan", "configs/dlrm_synthetic.yaml", "--group-ps", "1", "--set",
                      "strategy.ht.plan.group_ps_memory_gb=0.00001"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridrec plan: error: plan:") and "ps0" in err and err.count("\n") == 1

@@ -627,13 +627,17 @@ def sample_inputs(model: nn.Module, batch_size: int, seed: int = 0) -> tuple[tup
     return (deep, wide, dense), (True, True, False)
 
 
-def cost_model(cfg) -> CostModel:
-    """The devices of one group as the job's strategy.ht section describes them."""
+def cost_model(cfg, group_ps: int | None = None) -> CostModel:
+    """The devices of one group as the job's strategy.ht section describes them (`group_ps`, if
+    given, instead of strategy.ht.group_ps)."""
     ht = cfg.strategy.ht
     plan = ht.plan
+    group_ps = ht.group_ps if group_ps is None else group_ps
+    if isinstance(group_ps, bool) or not isinstance(group_ps, int) or not 0 <= group_ps <= 64:
+        raise UserError(f"group_ps must be an int in 0..64, got {group_ps!r}")
     trainer = Device(TRAINER, plan.trainer_gflops * 1e9, plan.network_gbit * 1e9 / 8, plan.trainer_memory_gb * 2**30)
     group_ps = [Device(f"ps{j}", plan.group_ps_gflops * 1e9, plan.network_gbit * 1e9 / 8,
-                       plan.group_ps_memory_gb * 2**30) for j in range(ht.group_ps)]
+                       plan.group_ps_memory_gb * 2**30) for j in range(group_ps)]
     trainers = max(1, cfg.strategy.roles.trainers // ht.groups)
     return CostModel((trainer, *group_ps), trainers, cfg.train.dense_optimizer.name, plan.wire_codec)
 
@@ -646,18 +650,19 @@ def plan_model(model: nn.Module, cost: CostModel, batch_size: int, refine_second
     return plan_graph(graph, cost, refine_seconds, linears)
 
 
-def plan_for_config(cfg) -> Plan:
-    """The plan of the job's dense model on the devices of strategy.ht.plan."""
+def plan_for_config(cfg, group_ps: int | None = None) -> Plan:
+    """The plan of the job's dense model on the devices of strategy.ht.plan, with
+    strategy.ht.group_ps group PSs or `group_ps` if given."""
     from hybridrec.job.tables import job_dense_model, job_tables
 
     model = job_dense_model(cfg, job_tables(cfg))
-    return plan_model(model, cost_model(cfg), cfg.data.batch_size, cfg.strategy.ht.plan.refine_seconds)
+    return plan_model(model, cost_model(cfg, group_ps), cfg.data.batch_size, cfg.strategy.ht.plan.refine_seconds)
 
 
-def write_plan(cfg, directory: str | Path) -> Path:
-    """Plan the job's dense model and save it as `directory`/plan.json (returns the path);
-    PlanError (a UserError) when the plan cannot meet a device's memory limit."""
-    plan = plan_for_config(cfg)
+def write_plan(cfg, directory: str | Path, group_ps: int | None = None) -> Path:
+    """Plan the job's dense model (see `plan_for_config`) and save it as `directory`/plan.json
+    (returns the path); PlanError (a UserError) when the plan cannot meet a device's memory limit."""
+    plan = plan_for_config(cfg, group_ps)
     path = Path(directory) / PLAN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
