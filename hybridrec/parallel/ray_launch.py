@@ -584,8 +584,12 @@ def launch_from_arguments(args) -> int:
         raise ValueError(f"--host {args.host} does not apply with --ray: each role binds its node's address "
                          "(loopback on a one-node cluster)")
     if getattr(args, "emulate_hosts", None) is not None:
-        raise ValueError(f"--emulate-hosts {args.emulate_hosts} does not apply with --ray: start the Ray nodes "
-                         "inside the emulated hosts instead (docs/distributed.md)")
+        if args.ray != "auto":
+            raise ValueError(f"--emulate-hosts {args.emulate_hosts} with --ray {args.ray}: the emulated hosts get a "
+                             "Ray cluster of their own; allowed: --ray auto")
+        from hybridrec.parallel.ray_emulated import launch_on_emulated_cluster
+
+        return launch_on_emulated_cluster(args)
     return launch_on_ray(args.config, address=args.ray, ps=args.ps, embedding_workers=args.embedding_workers,
                          trainers=args.trainers, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
                          max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)

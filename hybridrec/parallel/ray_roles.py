@@ -49,6 +49,23 @@ def bind_host(loopback: bool) -> str:
     return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 `address` (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
+
+
 def _listening(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1.0):
@@ -140,6 +157,12 @@ class TrainerHost:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
                           TORCHELASTIC_RESTART_COUNT=str(attempt))  # > 0: the trainer resumes
+        if master[0] != "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo takes the address the hostname resolves to, which on many machines (and on
+            # emulated hosts) is a loopback one: name the interface of this node's Ray address
+            interface = interface_of(bind_host(False))
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         try:
             return main(list(argv))
         except SystemExit as stop:

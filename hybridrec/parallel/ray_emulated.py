@@ -1,0 +1,148 @@
+"""A Ray cluster across emulated hosts: `hybridrec launch CONFIG --ray auto --emulate-hosts N
+--bandwidth RATE` runs the job on a real multi-node Ray cluster whose nodes are this machine's
+network namespaces (hybridrec.parallel.emulated_hosts), so every byte between roles Ray placed
+on different nodes crosses a shaped link.
+
+For one job it builds the emulated hosts, starts a Ray head node in host 0 and a worker node in
+each other host (`ray start --block`, each bound to its host's address, with its own temp dir
+and a fresh cluster token: Ray's token authentication is on, since the nodes listen off
+loopback), then runs the Ray launcher (`hybridrec launch --ray <head>`, hybridrec.parallel.
+ray_launch) inside host 0 as the driver. When the driver ends, however it ends, every Ray
+process dies with the namespaces (emulated_hosts deletes them after killing what runs inside)
+and the temp dirs are removed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+HEAD_PORT = 6379
+NODE_START_SECONDS = 180.0  # a loaded machine takes a while to bring up a Ray node
+STARTED_MARKER = "Ray runtime started"
+
+
+class RayNodeFailed(RuntimeError):
+    """A Ray node of the emulated cluster did not come up; names the host and Ray's last output."""
+
+
+def ray_environment(token: str) -> dict[str, str]:
+    """Every Ray process of the cluster: token authentication with this cluster's token, and
+    workers at normal priority (Ray would run them at nice 15, below every other process)."""
+    env = dict(os.environ)
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_worker_niceness="0", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def node_cpus(demand_cpus: float, hosts: int) -> int:
+    """Logical CPUs each node offers: the job's demand spread over the hosts, plus one spare."""
+    return max(1, math.ceil(demand_cpus / hosts)) + 1
+
+
+def _start_node(hosts, index: int, argv: Sequence[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(hosts.wrap(index, argv), env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_started(process: subprocess.Popen, log: Path, host: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if STARTED_MARKER in text:
+            return
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    tail = (log.read_text(errors="replace") if log.exists() else "")[-2000:]
+    raise RayNodeFailed(f"the Ray node on emulated host h{host} did not start within {seconds:g} s; its output:\n{tail}")
+
+
+def start_cluster(hosts, cpus: int, root: Path, env: dict) -> tuple[str, list[subprocess.Popen]]:
+    """A Ray head on host 0 and a worker node on each other host; the head's address."""
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+           "--num-cpus", str(cpus)]
+    head = f"{hosts.addresses[0]}:{HEAD_PORT}"
+    logs = [root / f"ray-h{i}.log" for i in range(len(hosts.addresses))]
+    nodes = [_start_node(hosts, 0, [*ray, "--head", "--port", str(HEAD_PORT), "--include-dashboard", "false",
+                                    "--node-ip-address", hosts.addresses[0], "--temp-dir", str(root / "h0")],
+                         env, logs[0])]
+    _wait_started(nodes[0], logs[0], 0, NODE_START_SECONDS)
+    for i in range(1, len(hosts.addresses)):
+        nodes.append(_start_node(hosts, i, [*ray, "--address", head, "--node-ip-address", hosts.addresses[i],
+                                            "--temp-dir", str(root / f"h{i}")], env, logs[i]))
+    for i in range(1, len(nodes)):
+        _wait_started(nodes[i], logs[i], i, NODE_START_SECONDS)
+    return head, nodes
+
+
+def driver_arguments(args, head: str) -> list[str]:
+    """The `hybridrec launch --ray HEAD` command the driver runs inside host 0."""
+    argv = [sys.executable, "-m", "hybridrec.cli", "launch", args.config, "--ray", head,
+            "--max-restarts", str(args.max_restarts), "--role-restarts", str(args.role_restarts)]
+    for flag, value in (("--ps", args.ps), ("--embedding-workers", args.embedding_workers),
+                        ("--trainers", args.trainers), ("--timeout", args.timeout)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += [arg for item in args.set for arg in ("--set", item)]
+    argv += ["--resume"] if args.resume else ["--overwrite"] if args.overwrite else []
+    return argv
+
+
+def _forward(stream, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(line)
+        out.flush()
+
+
+def launch_on_emulated_cluster(args, out=None) -> int:
+    """Run the job of `args` (the launch subparser's) on a Ray cluster across emulated hosts; the
+    driver's exit code (1 when the cluster did not come up)."""
+    from hybridrec.parallel.emulated_hosts import EmulatedHosts, check_support, from_arguments
+    from hybridrec.parallel.launch import check_config, new_job_id, role_counts
+    from hybridrec.parallel.ray_launch import job_demand
+
+    out = out or sys.stdout
+    emulation = from_arguments(args)
+    if emulation.place:
+        raise ValueError("--place does not apply with --ray: Ray places the roles on the emulated hosts' nodes")
+    cfg = check_config(args.config, args.set)
+    counts = role_counts(cfg, args.ps, args.embedding_workers, args.trainers)
+    check_support()
+    cpus = node_cpus(job_demand(cfg.strategy.resources, counts).get("CPU", 0.0), emulation.hosts)
+    env = ray_environment(secrets.token_hex(32))
+    root = Path(tempfile.mkdtemp(prefix="hybridrec-ray-"))
+    nodes: list[subprocess.Popen] = []
+    try:
+        with EmulatedHosts(new_job_id(), emulation, {}) as hosts:
+            out.write(f"[launch] emulated hosts: {hosts.describe()}; Ray nodes with {cpus} logical CPUs each\n")
+            try:
+                head, nodes = start_cluster(hosts, cpus, root, env)
+            except RayNodeFailed as error:
+                print(f"hybridrec launch: {error}", file=sys.stderr, flush=True)
+                return 1
+            out.write(f"[launch] Ray cluster of {len(nodes)} nodes, head at {head}\n")
+            driver = subprocess.Popen(hosts.wrap(0, driver_arguments(args, head)), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            forward = threading.Thread(target=_forward, args=(driver.stdout, out), daemon=True)
+            forward.start()
+            try:
+                code = driver.wait()
+            except KeyboardInterrupt:
+                driver.terminate()
+                code = driver.wait()
+            forward.join(5)
+            return code
+    finally:
+        for node in nodes:  # the namespaces' deletion killed them; reap
+            if node.poll() is None:
+                node.kill()
+            node.wait()
+        shutil.rmtree(root, ignore_errors=True)
