@@ -58,9 +58,14 @@ def test_bf16_value_codec_on_the_embedding_wire():
 def test_bf16_value_codec_through_a_ps_server(tmp_path):
     from hybridrec.ps import PSClient, serve
 
+    from hybridrec.embedding import EmbeddingStore, TableConfig
+
     tables = {"user": {"dim": 8, "capacity": 1000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
-    server = serve(tables=tables, block=False, checkpoint_root=tmp_path)
     keys = np.arange(1, 301, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    warm = EmbeddingStore(TableConfig.from_dict(tables["user"]))  # a cold numba cache compiles here, not
+    warm.pull(keys)  # inside the client's request timeout
+    warm.push(keys, np.ones((len(keys), 8), np.float32))
+    server = serve(tables=tables, block=False, checkpoint_root=tmp_path)
     try:
         with PSClient([server.address], value_codec="none", timeout=120) as exact, \
                 PSClient([server.address], value_codec="bf16", timeout=120) as compressed:
