@@ -145,4 +145,6 @@ def test_two_groups_of_two_trainers_converge_on_loopback(tmp_path):
     assert result["dense_replicas"] == 2 and result["trainers_per_group"] == 2
     assert result["elastic_syncs"] > 0 and result["elastic_sync_bytes"] > 0
     assert result["auc"] > result["best_auc"] - LEARNT_GAP
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())  # the group's operator placement, saved
+    assert set(plan["placement"]) >= {"mlp.layers.0", "head.output"} and plan["bottleneck"]
     assert set(SHM_DIRECTORY.glob("hybridrec-ht-*")) <= before  # the group copies' files are gone

@@ -22,6 +22,7 @@ from hybridrec.config import ConfigError
 from hybridrec.strategy.dense import DenseSync, dense_optimizer
 from hybridrec.strategy.dense.elastic_sync import CENTRE_OPTIMIZER, ElasticSync
 from hybridrec.strategy.dense.shared_copy import SharedCopy
+from hybridrec.strategy.operator_placement import write_plan
 
 
 def group_shape(world_size: int, groups: int) -> int:
@@ -46,6 +47,8 @@ class GroupsDense(DenseSync):
         self.groups = world.size // t
         self.group, self.member = divmod(world.rank, t)
         self.world, self.period = world, ht.period
+        if world.leader:  # the operator placement of one group, saved with the run (`hybridrec plan` prints it)
+            write_plan(cfg, cfg.train.output_dir)
         self.centre_client = placement.dense_client()
         initial = {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
         self._assign(self.centre_client.dense_init(initial, CENTRE_OPTIMIZER))  # every copy starts at the centre
