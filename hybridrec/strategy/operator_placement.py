@@ -420,25 +420,29 @@ def _refuse_big(evaluator: _Evaluator, i: int, device: int) -> PlanError:
 
 
 def split_oversized(graph: OpGraph, cost: CostModel, linears: set[str]) -> tuple[OpGraph, list[dict]]:
-    """Split every nn.Linear (names in `linears`) too big for a group PS into the fewest parts
-    (at most one per group PS) that fit; PlanError when even that does not fit."""
+    """Split every nn.Linear (names in `linears`) too big for the largest group PS into the fewest
+    parts (at most one per group PS) that fit; PlanError when even that does not fit."""
     splits = []
     num_ps = len(cost.devices) - 1
+    if not num_ps:
+        return graph, splits
+    largest = max(range(1, num_ps + 1), key=lambda d: cost.devices[d].memory)
+    evaluator = _Evaluator(graph, cost)
     i = 0
     while i < len(graph.ops):
-        evaluator = _Evaluator(graph, cost)
         op = graph.ops[i]
-        if op.kind == "params" and num_ps and not op.split and not _fits(evaluator, i, 1):
+        if op.kind == "params" and not op.split and not _fits(evaluator, i, largest):
             if op.name not in linears or num_ps < 2:
-                raise _refuse_big(evaluator, i, 1)
+                raise _refuse_big(evaluator, i, largest)
             for parts in range(2, num_ps + 1):
                 candidate = split_operator(graph, i, parts)
-                if _fits(_Evaluator(candidate, cost), i, 1):
+                if _fits(_Evaluator(candidate, cost), i, largest):
                     break
             else:
-                raise _refuse_big(_Evaluator(candidate, cost), i, 1)
+                raise _refuse_big(_Evaluator(candidate, cost), i, largest)
             splits.append({"module": op.name, "how": cheaper_split(graph, i, parts), "parts": parts})
             graph = candidate
+            evaluator = _Evaluator(graph, cost)
             i += parts + 1
             continue
         i += 1
