@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hybridrec.comm.codec import decode_rows, encode_rows, make_value_codec
-from hybridrec.comm.compression import (Bf16Codec, ErrorFeedback, Int8Codec, TopKCodec, bf16_bits, bf16_floats,
-                                        dense_comm_hook, make_codec, raw_bytes)
+from hybridrec.comm.compression import (Bf16Codec, ErrorFeedback, Int8Codec, TopKCodec, WireStats, bf16_bits,
+                                        bf16_floats, dense_comm_hook, make_codec, raw_bytes, wire)
 
 
 def _tensor(seed: int, shape=(64, 33), spread: float = 6.0) -> torch.Tensor:
@@ -134,6 +134,25 @@ def test_topk_error_feedback_sends_everything_eventually(values):
     assert float((true - sent).abs().max()) > 1.0  # the residual is not trivially empty
     with pytest.raises(ValueError, match="one state per tensor"):
         state.encode(torch.ones(3))
+
+
+def test_wire_compresses_forward_and_backward_and_counts_the_bytes():
+    torch.manual_seed(5)
+    layer = nn.Linear(16, 4)
+    x = torch.randn(32, 16, requires_grad=True)
+    stats = WireStats()
+    out = layer(wire(x, "int8", "bf16", stats))
+    out.backward(torch.ones_like(out))
+    assert stats.forward_bytes == 32 * 16 + 32 * 4 and stats.backward_bytes == 32 * 16 * 2
+    assert stats.raw_bytes == 2 * 32 * 16 * 4 and stats.crossings == 1
+    reference = torch.ones(32, 4) @ layer.weight  # the exact input gradient
+    torch.testing.assert_close(x.grad, Bf16Codec().decode(Bf16Codec().encode(reference)), rtol=0, atol=0)
+    codec = Int8Codec()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(32, 4).T @ codec.decode(codec.encode(x.detach())))
+    exact = torch.randn(3, 5, requires_grad=True)
+    assert torch.equal(wire(exact), exact)
+    with pytest.raises(ValueError, match="gradients lose too much"):
+        wire(exact, "bf16", "int8")
 
 
 # ------------------------------------------------------------------------------------ DDP hooks

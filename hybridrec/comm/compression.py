@@ -22,7 +22,9 @@ Each encode returns a `Packed` (named tensors + shape) whose `nbytes` counts exa
 its tensors put on the wire; decode gives the float32 tensor back. All of it is torch ops over
 whole tensors (no Python loop per element).
 
-`dense_comm_hook(name)` turns a codec into a DDP communication hook for the allreduce dense sync
+`wire(x, forward, backward, stats)` passes a tensor through a compressed wire inside autograd
+(forward codec on the value, backward codec on its gradient, bytes counted), for measuring a
+codec's effect on training where no process boundary exists yet. `dense_comm_hook(name)` turns a codec into a DDP communication hook for the allreduce dense sync
 (bf16: the bucket allreduced as bfloat16; topk: each rank's top-k entries with error feedback
 allgathered and averaged), with the bytes each rank sends counted in the hook's state.
 """
@@ -229,6 +231,56 @@ def make_codec(name: str, **options) -> NoCodec | Bf16Codec | Int8Codec | TopKCo
     if name not in CODECS:
         raise ValueError(f"compression codec must be one of {sorted(CODECS)}, got {name!r}")
     return CODECS[name](**options)
+
+
+# ------------------------------------------------------------------------------------ a wire in autograd
+@dataclass
+class WireStats:
+    """Bytes that `wire` put on the wire: forward (activations), backward (gradients), and what
+    float32 would have sent both ways."""
+
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    raw_bytes: int = 0
+    crossings: int = 0
+
+
+class _Wire(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_codec, backward_codec, stats):
+        ctx.backward_codec, ctx.stats = backward_codec, stats
+        packed = forward_codec.encode(x, "activations")
+        if stats is not None:
+            stats.forward_bytes += packed.nbytes
+            stats.raw_bytes += raw_bytes(x)
+            stats.crossings += 1
+        return forward_codec.decode(packed).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed = ctx.backward_codec.encode(grad, "gradients")
+        if ctx.stats is not None:
+            ctx.stats.backward_bytes += packed.nbytes
+            ctx.stats.raw_bytes += raw_bytes(grad)
+        return ctx.backward_codec.decode(packed).to(grad.dtype), None, None, None
+
+
+WIRE_FORWARD = ("none", "bf16", "int8")
+WIRE_BACKWARD = ("none", "bf16")
+
+
+def wire(x: Tensor, forward: str = "none", backward: str = "none", stats: WireStats | None = None) -> Tensor:
+    """`x` as the far side of a wire sees it: the forward value encoded with codec `forward`
+    (none | bf16 | int8) and decoded, its gradient encoded with `backward` (none | bf16) on the way
+    back; the bytes both ways are added to `stats`. Where a layer would run on another process
+    (a group PS), this gives a run the numerics and byte counts of the compressed wire in one
+    process. int8 is not offered for gradients (see the module docstring)."""
+    if forward not in WIRE_FORWARD:
+        raise ValueError(f"wire forward codec must be one of {list(WIRE_FORWARD)}, got {forward!r}")
+    if backward not in WIRE_BACKWARD:
+        raise ValueError(f"wire backward codec must be one of {list(WIRE_BACKWARD)} (gradients lose too much "
+                         f"at 8 bits), got {backward!r}")
+    return _Wire.apply(x, make_codec(forward), make_codec(backward), stats)
 
 
 # ------------------------------------------------------------------------------------ DDP hooks
