@@ -4,6 +4,7 @@ behind; and a PS actor killed mid-run comes back on its shared memory with every
 applied, and the job still takes every step."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,35 @@ def test_bad_ray_arguments_are_one_line_with_exit_code_2(tmp_path, ray_address):
     assert "Traceback" not in too_big.stderr
     without_ray = run_cli("launch", str(config), "--ray", "auto", python_prelude="import sys; sys.modules['ray'] = None")
     assert without_ray.returncode == 2 and "pip install 'hybridrec[ray]'" in without_ray.stderr
+
+
+def test_a_ray_cluster_across_emulated_hosts_runs_the_job_on_several_nodes(tmp_path):
+    """The multi-node case: a head node and two worker nodes, each in its own emulated host; Ray
+    places the roles on them, the job converges over the shaped links, and no namespace is left."""
+    from hybridrec.parallel.emulated_hosts import check_support, list_namespaces
+
+    try:
+        check_support()
+    except ValueError as why:
+        pytest.skip(f"emulated hosts unavailable here: {why}")
+    config = write_config(tmp_path)
+    log = tmp_path / "launch.log"
+    before = set(list_namespaces())
+    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", "auto", "--emulate-hosts", "3",
+               "--bandwidth", "1gbit", "--overwrite", "--timeout", str(JOB_SECONDS),
+               # 3 Ray nodes and the roles share this machine's cores: give a first lookup time
+               "--set", "strategy.request_timeout=60"]
+    code = subprocess.run(command, stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=JOB_SECONDS + 400).returncode
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "Ray cluster of 3 nodes" in text
+    serving = set(re.findall(r"serves at (10\.213\.0\.[0-9]+):", text))
+    nodes = set(re.findall(r"serves at [0-9.]+:[0-9]+ \(pid [0-9]+, node ([0-9a-f]+)\)", text))
+    assert serving and len(nodes) == len(serving)  # each node serves on its own host's address
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert result["step"] == steps_of_one_epoch(config)
+    assert result["auc"] > 0.55
+    assert set(list_namespaces()) <= before
+    with pytest.raises(subprocess.CalledProcessError):  # --ray ADDRESS and --emulate-hosts exclude each other
+        subprocess.run([sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", "10.0.0.1:6379",
+                        "--emulate-hosts", "2"], check=True, capture_output=True, timeout=120)

@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,22 +66,38 @@ def _wait_started(process: subprocess.Popen, log: Path, host: int, seconds: floa
     raise RayNodeFailed(f"the Ray node on emulated host h{host} did not start within {seconds:g} s; its output:\n{tail}")
 
 
-def start_cluster(hosts, cpus: int, root: Path, env: dict) -> tuple[str, list[subprocess.Popen]]:
-    """A Ray head on host 0 and a worker node on each other host; the head's address."""
+def _node(hosts, index: int, argv: Sequence[str], env: dict, root: Path, attempts: int = 2) -> subprocess.Popen:
+    """One started Ray node on host `index`. Ray gives a raylet 30 s to register, which a loaded
+    machine can miss: a node that fails so is killed (its process group) and started again."""
+    for attempt in range(attempts):
+        log = root / f"ray-h{index}-{attempt}.log"
+        process = _start_node(hosts, index, [*argv, "--temp-dir", str(root / f"h{index}-{attempt}")], env, log)
+        try:
+            _wait_started(process, log, index, NODE_START_SECONDS)
+            return process
+        except RayNodeFailed:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def start_cluster(hosts, cpus: int, root: Path, env: dict, nodes: list[subprocess.Popen]) -> str:
+    """A Ray head on host 0 and a worker node on each other host, started one after the other (so
+    they do not compete for the cores while they register), appended to `nodes`; the head's
+    address."""
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
            "--num-cpus", str(cpus)]
     head = f"{hosts.addresses[0]}:{HEAD_PORT}"
-    logs = [root / f"ray-h{i}.log" for i in range(len(hosts.addresses))]
-    nodes = [_start_node(hosts, 0, [*ray, "--head", "--port", str(HEAD_PORT), "--include-dashboard", "false",
-                                    "--node-ip-address", hosts.addresses[0], "--temp-dir", str(root / "h0")],
-                         env, logs[0])]
-    _wait_started(nodes[0], logs[0], 0, NODE_START_SECONDS)
+    nodes.append(_node(hosts, 0, [*ray, "--head", "--port", str(HEAD_PORT), "--include-dashboard", "false",
+                                  "--node-ip-address", hosts.addresses[0]], env, root))
     for i in range(1, len(hosts.addresses)):
-        nodes.append(_start_node(hosts, i, [*ray, "--address", head, "--node-ip-address", hosts.addresses[i],
-                                            "--temp-dir", str(root / f"h{i}")], env, logs[i]))
-    for i in range(1, len(nodes)):
-        _wait_started(nodes[i], logs[i], i, NODE_START_SECONDS)
-    return head, nodes
+        nodes.append(_node(hosts, i, [*ray, "--address", head, "--node-ip-address", hosts.addresses[i]], env, root))
+    return head
 
 
 def driver_arguments(args, head: str) -> list[str]:
@@ -124,7 +141,7 @@ def launch_on_emulated_cluster(args, out=None) -> int:
         with EmulatedHosts(new_job_id(), emulation, {}) as hosts:
             out.write(f"[launch] emulated hosts: {hosts.describe()}; Ray nodes with {cpus} logical CPUs each\n")
             try:
-                head, nodes = start_cluster(hosts, cpus, root, env)
+                head = start_cluster(hosts, cpus, root, env, nodes)
             except RayNodeFailed as error:
                 print(f"hybridrec launch: {error}", file=sys.stderr, flush=True)
                 return 1
