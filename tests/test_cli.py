@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], "{train,eval,data,models,bench,serve-ps,embedding-worker,launch}"),
+    ([], "{train,eval,data,models,plan,bench,serve-ps,embedding-worker,launch}"),
+    (["plan"], "--group-ps"),
     (["train"], "--resume"),
     (["eval"], "--checkpoint"),
     (["data"], "synth"),
