@@ -1,5 +1,5 @@
-"""The `hybridrec` command: train, eval, data synth, models, bench, serve-ps, embedding-worker,
-launch.
+"""The `hybridrec` command: train, eval, data synth, models, plan, bench, serve-ps,
+embedding-worker, launch.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are
