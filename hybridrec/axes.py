@@ -31,7 +31,12 @@ AXES: dict[str, dict[str, AxisValue]] = {
     "consistency": {
         "sync": AxisValue("consistency.sync", "a lookup sees every earlier update (staleness 0)"),
         "bounded": AxisValue("consistency.bounded", "at most strategy.tau updates in flight (Persia's hybrid)"),
-        "het": AxisValue(None, "worker cache with per-embedding clock bound (HET)", 18),
+        "het": AxisValue("consistency.het", "a cache per trainer with a per-embedding clock bound s and stale "
+                         "writes (HET; strategy.het)"),
+        "asp": AxisValue("consistency.asp", "no cache, no waiting: lookups never wait for any update "
+                         "(strategy.asp.read_ahead batches looked up ahead)"),
+        "ssp": AxisValue("consistency.ssp", "worker clocks: no trainer more than strategy.ssp.staleness "
+                         "iterations ahead of the slowest one's acknowledged updates (classic SSP)"),
         "hot_cold": AxisValue(None, "HybridHash hot/cold cache (PICASSO)", 19),
     },
     "dense": {
@@ -58,13 +63,14 @@ PRESETS: dict[str, dict[str, str] | None] = {
               "id_codec": "none", "value_codec": "none"},
     "persia": {"placement": "ps", "consistency": "bounded", "dense": "allreduce",
                "id_codec": "unique", "value_codec": "none"},
-    "het": None,
+    "het": {"placement": "ps", "consistency": "het", "dense": "allreduce",
+            "id_codec": "none", "value_codec": "none"},
     "picasso": None,
     "des": None,
     "ht": {"placement": "ps", "consistency": "bounded", "dense": "groups",
            "id_codec": "unique", "value_codec": "none"},
 }
-PRESET_ISSUES = {"het": 18, "picasso": 19, "des": 22}
+PRESET_ISSUES = {"picasso": 19, "des": 22}
 DEFAULT_PRESET = "local"
 
 

@@ -313,6 +313,62 @@ class HierarchicalSection(_Section):
     plan: PlanSection = PlanSection()
 
 
+class HetSection(_Section):
+    """HET (consistency `het`, preset `het`): each trainer keeps a cache of embedding rows and
+    reads a cached row while its clocks stay within `staleness` of the servers' (HET §3), writing
+    its updates back only when the entry is evicted or falls out of that bound. The cache of a
+    table holds `cache_rows` rows (one number for every table, or per table name) or, unset,
+    `cache_fraction` of the table's capacity."""
+
+    staleness: Union[int, Literal["inf"]] = Field(100, description="s, the per-embedding clock bound: 0 is BSP; "
+                                                  "inf never checks (entries synchronise only when evicted)")
+    cache_rows: Optional[Union[int, dict[str, int]]] = Field(None, description="rows of each table's cache, or "
+                                                             "{table: rows}; unset: cache_fraction")
+    cache_fraction: float = Field(0.1, gt=0, le=1, description="a table's cache as a fraction of its capacity")
+    policy: Literal["lru", "lfu", "light_lfu"] = Field("lfu", description="which entry a full cache evicts")
+    light_lfu_threshold: int = Field(10, ge=1, le=1000, description="light_lfu: uses after which an entry is "
+                                     "pinned and no longer counted")
+
+    @field_validator("staleness", mode="before")
+    @classmethod
+    def _infinite(cls, value):
+        if isinstance(value, float) and value == float("inf"):
+            return "inf"
+        if isinstance(value, str) and value.strip().lower() in ("inf", "infinity", ".inf"):
+            return "inf"
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"staleness must be an int >= 0 or inf, got {value}")
+        return value
+
+    @field_validator("cache_rows")
+    @classmethod
+    def _rows(cls, value):
+        counts = value.values() if isinstance(value, dict) else [] if value is None else [value]
+        if any(not 1 <= n < 2**30 for n in counts):
+            raise ValueError(f"cache_rows must be in [1, 2**30), got {value!r}")
+        return value
+
+    @property
+    def s(self) -> int | None:
+        """The staleness bound, None for infinity."""
+        return None if self.staleness == "inf" else int(self.staleness)
+
+
+class SspSection(_Section):
+    """Stale synchronous parallel (consistency `ssp`): a trainer looks up the rows of its
+    iteration c only when every trainer has finished (its updates acknowledged) iteration
+    c - staleness; so no trainer runs more than `staleness` iterations ahead of the slowest."""
+
+    staleness: int = Field(3, ge=0, le=1_000_000, description="iterations a trainer may run ahead of the slowest")
+
+
+class AspSection(_Section):
+    """Asynchronous parallel (consistency `asp`): lookups never wait for any update, this
+    trainer's or another's; `read_ahead` batches are looked up ahead of the training step."""
+
+    read_ahead: int = Field(4, ge=1, le=1024, description="batches looked up ahead of the step")
+
+
 class StrategyConfig(_Section):
     """How a job trains: a preset named after a paper (`local`, `persia`) expanded to the four
     axes of hybridrec.axes, each of which may be set here to override the preset:
@@ -336,6 +392,9 @@ class StrategyConfig(_Section):
     roles: RolesSection = RolesSection()
     resources: ResourcesSection = ResourcesSection()
     ht: HierarchicalSection = HierarchicalSection()
+    het: HetSection = HetSection()
+    ssp: SspSection = SspSection()
+    asp: AspSection = AspSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -372,6 +431,18 @@ class StrategyConfig(_Section):
                                  "the group's copy in shared memory on its trainers' host")
         return self
 
+    @model_validator(mode="after")
+    def _het_route(self):
+        """HET's trainers talk to the PS servers directly: no embedding workers unless asked for,
+        and asking for them is refused."""
+        if self.consistency == "het":
+            if "embedding_workers" not in self.roles.model_fields_set:
+                object.__setattr__(self, "roles", self.roles.model_copy(update={"embedding_workers": 0}))
+            elif self.roles.embedding_workers:
+                raise ValueError(f"strategy.roles.embedding_workers {self.roles.embedding_workers}: HET's trainers "
+                                 "talk to the PS servers directly; allowed: 0")
+        return self
+
     @property
     def resolved(self) -> dict[str, str]:
         """The axis values this job runs with (the preset's, overridden by the axes set)."""
@@ -383,12 +454,18 @@ class StrategyConfig(_Section):
 
     @property
     def effective_tau(self) -> int:
-        """Batches allowed between a lookup and its update: 0 unless consistency is bounded."""
-        return self.tau if self.resolved["consistency"] == "bounded" else 0
+        """Batches allowed between a lookup and its update: 0 unless consistency is bounded (tau),
+        ssp (its staleness) or asp (its read-ahead)."""
+        return {"bounded": self.tau, "ssp": self.ssp.staleness, "asp": self.asp.read_ahead}.get(
+            self.resolved["consistency"], 0)
 
     def record(self) -> dict:
         """What a result file says about the strategy that produced it."""
-        return {"preset": self.preset or "local", **self.resolved, "tau": self.effective_tau}
+        record = {"preset": self.preset or "local", **self.resolved, "tau": self.effective_tau}
+        consistency = self.resolved["consistency"]
+        if consistency in ("het", "ssp", "asp"):
+            record[consistency] = getattr(self, consistency).model_dump()
+        return record
 
 
 class JobConfig(_Section):

@@ -63,7 +63,7 @@ def test_a_preset_is_a_default_that_each_axis_may_override():
     ({"preset": "persai"}, "strategy.preset: unknown preset 'persai' (did you mean 'persia'?)"),
     ({"consistency": "bounde"}, "strategy.consistency: unknown value 'bounde' (did you mean 'bounded'?)"),
     ({"dense": "all_reduce"}, "strategy.dense: unknown value 'all_reduce' (did you mean 'allreduce'?)"),
-    ({"preset": "het"}, "strategy.preset: 'het' is not built yet (issue #18)"),
+    ({"consistency": "het"}, "het overlaps lookups with training in background threads, which needs a remote"),
     ({"placement": "sharded"}, "strategy.placement: 'sharded'"),
     ({"dense": "ps_async"}, "ps_async keeps the dense parameters on the PS servers"),
     ({"consistency": "bounded"}, "needs a remote placement"),

@@ -385,6 +385,53 @@ class EmbeddingStore:
             missing = int(np.unique(keys[found.rows < 0]).shape[0])
             return self.apply(found, ugrad) + missing
 
+    # ---------------------------------------------------------------- clocks (HET's c_g)
+    # Each row's metadata holds its clock: the number of updates applied to it (a plain `push` or
+    # `apply` adds one), a Lamport clock in HET's sense. It lives in `meta`, so it is in every
+    # checkpoint and in shared memory, and a new row starts at 0.
+
+    def pull_clocked(self, keys: np.ndarray, insert: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(float32 [n, dim] rows, int32 [n] clocks, int32 [n] row numbers) of `keys`, as `pull`
+        reads them; an absent or not-admitted key reads as zeros with clock 0 and row -1."""
+        keys = check_keys(keys)
+        with self._lock:
+            found = self._probe(keys, K.MODE_TRAIN if insert else K.MODE_FIND)
+            out = np.empty((keys.shape[0], self.config.dim), np.float32)
+            K.gather_rows(self.rows, found.rows, out)
+            clocks = np.where(found.rows >= 0, self.meta[np.maximum(found.rows, 0), K.M_CLOCK], 0).astype(np.int32)
+        return out, clocks, found.rows
+
+    def clocks(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int32 [n] clocks, int32 [n] row numbers) of `keys`, read only: -1 and -1 where a key
+        is absent. HET's clock-only reads: no vector is touched."""
+        keys = check_keys(keys)
+        with self._lock:
+            found = self._probe(keys, K.MODE_FIND)
+            clocks = np.where(found.rows >= 0, self.meta[np.maximum(found.rows, 0), K.M_CLOCK], -1).astype(np.int32)
+        return clocks, found.rows
+
+    def push_clocked(self, keys: np.ndarray, grads: np.ndarray, clocks: np.ndarray) -> int:
+        """HET's write-back (Het.Cache.Evict): one optimizer step per distinct key with its summed
+        gradient, then the key's clock becomes max(its clock before, the clock sent with it)
+        (c_g = max(c_g, c_c)). Absent keys are skipped and counted, as `push` does."""
+        keys = check_keys(keys)
+        grads = check_grad(grads, keys.shape[0], self.config.dim, "grads")
+        clocks = np.asarray(clocks)
+        if clocks.shape != keys.shape or clocks.dtype.kind not in "iu":
+            raise ValueError(f"clocks: need an integer array of shape {keys.shape}, got {clocks.dtype} {clocks.shape}")
+        with self._lock:
+            found = self._probe(keys, K.MODE_FIND)
+            ugrad = np.zeros((found.num_unique, self.config.dim), np.float32)
+            K.scatter_rows_grad(grads, found.inverse, ugrad)
+            present = found.inverse >= 0
+            sent = np.full(found.num_unique, np.iinfo(np.int32).min, np.int64)
+            np.maximum.at(sent, found.inverse[present], clocks[present].astype(np.int64))
+            before = self.meta[found.uniq_rows, K.M_CLOCK].astype(np.int64)
+            skipped = self.apply(found, ugrad)  # nothing is evicted meanwhile: the lock is held
+            self.meta[found.uniq_rows, K.M_CLOCK] = np.minimum(np.maximum(before, sent), np.iinfo(np.int32).max)
+            missing = int(np.unique(keys[~present]).shape[0])
+            return skipped + missing
+
     # ---------------------------------------------------------------- pooled forward / backward
     def pool(self, lookup: Lookup, offsets: np.ndarray, out: np.ndarray, mode: int | None = None,
              column: int | None = None) -> None:

@@ -152,6 +152,17 @@ class PSClient:
     def num_shards(self) -> int:
         return len(self._clients)
 
+    @property
+    def shards(self) -> list[Client]:
+        """The transport client of each shard, in shard order (for operations this class does
+        not wrap, such as HET's in `hybridrec.ps.clocks`)."""
+        return list(self._clients)
+
+    def tables(self) -> list[str]:
+        """The names of the tables the shards serve."""
+        self._dims.update(self._clients[0].request("ping", idempotent=True).meta["tables"])
+        return sorted(self._dims)
+
     def _broadcast(self, op: str, meta_of_shard=lambda shard: {}, idempotent: bool = True) -> list[Message]:
         return request_all([(c, op, {}, meta_of_shard(i)) for i, c in enumerate(self._clients)],
                            idempotent=idempotent)

@@ -24,6 +24,8 @@ Operations (see `hybridrec.comm.transport` for the wire format):
   load        meta {directory}: each table replaced by the one saved in directory/<table>,
               the dense params by directory/dense (none there: no dense params)
   shutdown    stop after replying
+  het_sync, worker_clock: HET's write-backs, fetches and clock-only checks in one request, and
+              SSP's worker clocks (`hybridrec.ps.clocks`)
 
 Limits: a request carries at most `max_keys_per_request` keys (all its tables together) and
 its frames at most what that many rows, or the job's whole dense model, take; `dense_init`
@@ -63,6 +65,7 @@ from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.ps.client import part_arrays, split_parts
+from hybridrec.ps.clocks import ClockOps
 from hybridrec.ps.dense import DenseStore
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
@@ -151,6 +154,8 @@ class EmbeddingServer(Service):
             "load": Operation(self._load),
             "shutdown": Operation(self._shutdown),
         }
+        self.clock_ops = ClockOps(self._stores_of, self._count_keys)
+        operations.update(self.clock_ops.operations())
         limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
         self.transport = Server(operations, host=host, port=port, threads=threads, max_request_bytes=limit,
                                 key=key)

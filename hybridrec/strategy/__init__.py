@@ -33,6 +33,7 @@ class Strategy:
         return make_dense(self.axes["dense"], model, self.cfg, self.world, self.placement)
 
     def close(self) -> None:
+        self.consistency.close()
         self.placement.close()
 
 

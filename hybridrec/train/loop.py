@@ -325,6 +325,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire),
                       "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts(),
                       **dense.facts(world),
+                      **strategy.consistency.facts(world),
                       **({} if best is None else {"best_valid": best.record})}
             if world.leader:
                 reporter.final(progress["step"], result)

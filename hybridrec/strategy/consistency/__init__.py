@@ -25,6 +25,13 @@ class Consistency:
             raise ValueError(f"tau={self.tau} needs a placement that looks up off the training thread")
         return InlineStream(batches, placement.connect, skip=skip, limit=limit, prefetch=prefetch)
 
+    def facts(self, world) -> dict:
+        """Figures of the whole job for final_metrics.json (every trainer calls this together)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the consistency holds across epochs (HET's caches and connections)."""
+
 
 def make_consistency(name: str, cfg) -> Consistency:
     module = importlib.import_module(f"hybridrec.strategy.{AXES['consistency'][name].module}")
