@@ -25,7 +25,7 @@ AXES: dict[str, dict[str, AxisValue]] = {
         "local": AxisValue("placement.local", "in-process stores, one fused native call per phase"),
         "ps": AxisValue("placement.ps", "remote PS shards, through embedding workers or (none given) directly",
                         servers=("ps_servers", "embedding_workers")),
-        "sharded": AxisValue(None, "every trainer owns a shard of every table; AllToAll", 19),
+        "sharded": AxisValue("placement.sharded", "every trainer owns a shard of every table; AllToAll (PICASSO)"),
         "field_sharded": AxisValue(None, "fields split among trainers (DES)", 22),
     },
     "consistency": {
@@ -37,7 +37,8 @@ AXES: dict[str, dict[str, AxisValue]] = {
                          "(strategy.asp.read_ahead batches looked up ahead)"),
         "ssp": AxisValue("consistency.ssp", "worker clocks: no trainer more than strategy.ssp.staleness "
                          "iterations ahead of the slowest one's acknowledged updates (classic SSP)"),
-        "hot_cold": AxisValue(None, "HybridHash hot/cold cache (PICASSO)", 19),
+        "hot_cold": AxisValue("consistency.hot_cold", "sync, with HybridHash: the hottest rows copied to every "
+                              "trainer, their gradients AllReduced (PICASSO)"),
     },
     "dense": {
         "allreduce": AxisValue("dense.allreduce", "DDP AllReduce of dense gradients (plain with one trainer)"),
@@ -65,12 +66,13 @@ PRESETS: dict[str, dict[str, str] | None] = {
                "id_codec": "unique", "value_codec": "none"},
     "het": {"placement": "ps", "consistency": "het", "dense": "allreduce",
             "id_codec": "none", "value_codec": "none"},
-    "picasso": None,
+    "picasso": {"placement": "sharded", "consistency": "hot_cold", "dense": "allreduce",
+                "id_codec": "none", "value_codec": "none"},
     "des": None,
     "ht": {"placement": "ps", "consistency": "bounded", "dense": "groups",
            "id_codec": "unique", "value_codec": "none"},
 }
-PRESET_ISSUES = {"picasso": 19, "des": 22}
+PRESET_ISSUES: dict[str, int] = {"des": 22}  # preset -> the issue that builds it, while PRESETS holds None
 DEFAULT_PRESET = "local"
 
 
@@ -121,6 +123,16 @@ def impossible(axes: dict[str, str]) -> str | None:
     placement, consistency, dense = axes["placement"], axes["consistency"], axes["dense"]
     if dense in ("easgd", "groups") and placement != "ps":
         return f"{dense} keeps the centre copy of the dense parameters on PS servers; allowed with placement ps"
+    if consistency == "hot_cold" and placement != "sharded":
+        return ("hot_cold keeps a copy of the hottest rows on every trainer beside the owners' shards, which the "
+                "sharded placement holds; allowed with placement sharded")
+    if placement == "sharded":
+        if consistency not in ("sync", "hot_cold"):
+            return f"{consistency} lets lookups run ahead of updates; the sharded placement's AllToAll is synchronous"
+        if dense != "allreduce":
+            return f"the sharded placement trains the dense part data-parallel (allreduce), not {dense}"
+        if axes["id_codec"] != "none" or axes["value_codec"] != "none":
+            return "the sharded placement sends keys and float32 rows between trainers; the wire codecs are not used"
     if placement == "local":
         if dense == "ps_async":
             return "ps_async keeps the dense parameters on the PS servers, and the local placement has none"

@@ -19,6 +19,8 @@ BENCHMARKS = {
     "reader": ("hybridrec.benchmarks.reader", "Criteo TSV reader rows/s vs pandas.read_csv"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
     "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),
+    "picasso": ("hybridrec.benchmarks.picasso", "PICASSO's ablation (sharded, +packing, +interleaving, +hot/cold) vs local "
+                "and Persia; samples/s against fields"),
     "het": ("hybridrec.benchmarks.het", "HET's cache: BSP / ASP / SSP / no cache / HET s=0..inf jobs, miss rates of LRU / LFU / light LFU"),
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
 }

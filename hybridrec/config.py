@@ -313,6 +313,27 @@ class HierarchicalSection(_Section):
     plan: PlanSection = PlanSection()
 
 
+class PicassoSection(_Section):
+    """PICASSO's switches for the sharded placement (preset `picasso`): packing, interleaving and
+    the HybridHash hot/cold cache (consistency `hot_cold`). With every switch off the sharded
+    placement is the plain model-parallel lookup: one AllToAll round per table."""
+
+    packing: bool = Field(True, description="D-packing (one lookup per dim) with the fused Unique&Partition "
+                                            "and Shuffle&Stitch kernels; off: every table looked up on its own")
+    split_packs: bool = Field(False, description="split a pack whose parameter volume (PICASSO Eq. 1) is above "
+                                                 "the average into shards of about the smallest pack's volume")
+    interleaving: bool = Field(True, description="D-interleaving: each batch in micro_batches parts whose AllToAll "
+                                                 "overlaps the dense compute of the part before")
+    micro_batches: int = Field(2, ge=1, le=64, description="D-interleaving: parts per batch (gradients "
+                                                          "accumulated, one update per batch)")
+    k_groups: int = Field(1, ge=1, le=64, description="K-interleaving: groups of packed operations (Eq. 3: "
+                                                     "capacity = parameter volume / k_groups) pipelined so "
+                                                     "that one group's AllToAll overlaps another's lookup")
+    hot_rows: int = Field(4096, ge=0, description="hot_cold: rows (all tables together) copied to every trainer")
+    warmup_iters: int = Field(100, ge=0, description="hot_cold: steps that only count key frequencies")
+    flush_iters: int = Field(100, ge=1, description="hot_cold: steps between two choices of the hot rows")
+
+
 class HetSection(_Section):
     """HET (consistency `het`, preset `het`): each trainer keeps a cache of embedding rows and
     reads a cached row while its clocks stay within `staleness` of the servers' (HET §3), writing
@@ -392,6 +413,7 @@ class StrategyConfig(_Section):
     roles: RolesSection = RolesSection()
     resources: ResourcesSection = ResourcesSection()
     ht: HierarchicalSection = HierarchicalSection()
+    picasso: PicassoSection = PicassoSection()
     het: HetSection = HetSection()
     ssp: SspSection = SspSection()
     asp: AspSection = AspSection()

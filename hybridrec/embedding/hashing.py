@@ -50,10 +50,17 @@ def uniform01(x):
     return np.float64(x >> _S11) * _INV53
 
 
+@njit(inline="always")
+def route_one(key, salt, num_shards):
+    """The shard of one key under a table's `route_salt`: what `route` computes per key, for
+    kernels that route keys as they read them (the sharded placement's Unique&Partition)."""
+    return scale_hi32(mix64(key ^ salt), num_shards)
+
+
 @njit(cache=True, nogil=True)
 def _route_kernel(keys, salt, num_shards, out):
     for i in range(keys.shape[0]):
-        out[i] = scale_hi32(mix64(keys[i] ^ salt), num_shards)
+        out[i] = route_one(keys[i], salt, num_shards)
 
 
 def table_route_id(table: str) -> int:
@@ -73,7 +80,11 @@ def route(keys, table_id, num_shards):
         raise TypeError(f"route: keys must be uint64, got {keys.dtype}")
     if not 1 <= int(num_shards) < 2**31:
         raise ValueError(f"route: num_shards must be in [1, 2**31), got {num_shards}")
-    salt = mix64(np.uint64((int(ROUTE_SALT) + int(table_id) * int(U64_GOLDEN)) % 2**64))
     out = np.empty(keys.shape[0], dtype=np.int64)
-    _route_kernel(keys, np.uint64(salt), int(num_shards), out)  # a Python int would type as int64
+    _route_kernel(keys, route_salt(table_id), int(num_shards), out)  # a Python int would type as int64
     return out
+
+
+def route_salt(table_id) -> np.uint64:
+    """The salt `route` mixes a table's keys with (`route_one` takes it)."""
+    return np.uint64(mix64(np.uint64((int(ROUTE_SALT) + int(table_id) * int(U64_GOLDEN)) % 2**64)))

@@ -77,6 +77,34 @@ def _lookup_for_evaluation(connection, batch, attempts: int = 3):
     raise RuntimeError(f"evaluation: the rows of a test batch were lost {attempts} times in a row")
 
 
+def forward_backward(placement, dense, ready, loss_fn, device):
+    """(inputs, logits, loss) of a step's forward and backward passes. A placement that offers
+    `micro_batches(looked, batch)` (PICASSO's D-interleaving) may cut the batch into parts: one
+    pass per part, each part's loss weighted by its share of the rows and the dense gradients
+    accumulated unsynchronised (DDP's no_sync) until the last part, so the step's gradients are
+    the whole batch's; the placement updates its embeddings once, in the push."""
+    batch = ready.batch
+    split = getattr(placement, "micro_batches", None)
+    parts = split(ready.looked, batch) if split is not None else [(ready.looked, batch)]
+    if len(parts) == 1:
+        inputs = placement.inputs(parts[0][0], batch, requires_grad=True)
+        logits = logits_of(dense.module, inputs, batch, device)
+        loss = loss_fn(logits, torch.from_numpy(batch.labels).to(device))
+        loss.backward()
+        return inputs, logits, loss
+    outputs, total = [], 0.0
+    for index, (looked, part) in enumerate(parts):
+        last = index + 1 == len(parts)
+        with contextlib.nullcontext() if last else getattr(dense.module, "no_sync", contextlib.nullcontext)():
+            inputs = placement.inputs(looked, part, requires_grad=True)
+            logits = logits_of(dense.module, inputs, part, device)
+            loss = loss_fn(logits, torch.from_numpy(part.labels).to(device))
+            (loss * (part.batch_size / batch.batch_size)).backward()
+        outputs.append(logits.detach())
+        total = total + loss.detach() * part.batch_size
+    return inputs, torch.cat(outputs), total / batch.batch_size
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, placement, source, label_names, world: World) -> dict:
     """Exact AUC, logloss and normalised entropy per task on every row of `source`: trainer r
@@ -267,10 +295,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                             break
                         batch = ready.batch
                         dense.begin_step()
-                        inputs = placement.inputs(ready.looked, batch, requires_grad=True)
-                        logits = logits_of(dense.module, inputs, batch, device)
-                        loss = loss_fn(logits, torch.from_numpy(batch.labels).to(device))
-                        loss.backward()  # the local placement applies its embedding updates here
+                        # the local placement applies its embedding updates in backward
+                        inputs, logits, loss = forward_backward(placement, dense, ready, loss_fn, device)
                         step = progress["step"] + 1
                         evaluate_now = lockstep and _due(cfg.train.eval_every, step)
                         save_now = lockstep and _due(cfg.train.checkpoint_every, step)
