@@ -121,7 +121,7 @@ steps = st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, 30), min_s
                            st.booleans()), min_size=1, max_size=40)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(sequence=steps, staleness=st.sampled_from([0, 1, 3, 10]), capacity=st.integers(8, 20),
        shards=st.integers(1, 2), policies=st.sampled_from([("lru", "lfu"), ("light_lfu", "lfu")]))
 def test_every_read_is_within_both_bounds_and_replicas_within_2s(sequence, staleness, capacity, shards, policies):
@@ -149,7 +149,7 @@ def test_every_read_is_within_both_bounds_and_replicas_within_2s(sequence, stale
     assert max(w.backend.counts.max_gap for w in workers) <= 2 * s + 1
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(sequence=steps, staleness=st.sampled_from([0, 2, 100, None]), capacity=st.integers(8, 14))
 def test_with_sgd_every_gradient_reaches_the_servers(sequence, staleness, capacity):
     """Stale writes, evictions and invalidations lose nothing: after the final flush each row is

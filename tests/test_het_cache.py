@@ -90,7 +90,7 @@ reads = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=Tr
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "light_lfu"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(sequence=reads, capacity=st.integers(12, 30), threshold=st.integers(1, 4))
 def test_each_policy_keeps_and_evicts_what_its_model_does(policy, sequence, capacity, threshold):
     cache = CacheTable(capacity, 2, policy, light_threshold=threshold)

@@ -36,7 +36,6 @@ line: {"bsp": R, "asp": R, "ssp": R, "no_cache": R, "het": {"s0": R, "s10": R, "
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import shutil
@@ -48,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridrec.benchmarks.hybrid import JobFailed, run_job as launch_job
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/het_synthetic.yaml"
@@ -56,17 +56,12 @@ SIZES = (0.03, 0.05, 0.1, 0.15)
 STALENESS = {"s0": 0, "s10": 10, "s100": 100, "sinf": "inf"}
 BYTES_TARGET = 0.8  # at least this much fewer embedding bytes per sample than no cache
 AUC_BUDGET = 0.001  # s = 100 within this of BSP
-OUTPUT_TAIL = 12_000
 METRICS = {"auc": "auc", "logloss": "logloss", "train_samples_per_s": "samples_per_s",
            "bytes_per_sample": "embedding_bytes_per_sample"}
 HET_METRICS = {"cache_hit_rate": "hit_rate", "cache_miss_rate": "miss_rate", "cache_invalidations": "invalidations",
                "cache_evictions": "evictions", "max_clock_gap": "max_clock_gap",
                "embedding_vector_bytes": "vector_bytes", "embedding_clock_bytes": "clock_bytes",
                "dropped_updates": "dropped_updates"}
-
-
-class JobFailed(RuntimeError):
-    """A benchmark job did not finish: names the variant, the exit code and the launcher's output."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,21 +185,9 @@ def variants(args, cache: dict[str, int]) -> dict[str, tuple[list[str], int]]:
 
 
 def run_job(args, label: str, overrides: list[str], embedding_workers: int, output_dir: Path) -> dict:
-    from hybridrec.parallel.launch import launch
-
-    log = io.StringIO()
-    sets = [*args.set, *overrides, f"train.output_dir={output_dir}"]
-    code = launch(args.config, ps=2, embedding_workers=embedding_workers, trainers=2, overrides=sets, overwrite=True,
-                  timeout=args.timeout, out=log)
-    text = log.getvalue()
-    if args.verbose:
-        print(text, file=sys.stderr, end="", flush=True)
-    metrics_file = output_dir / "final_metrics.json"
-    if code != 0 or not metrics_file.is_file():
-        shown = text if len(text) <= OUTPUT_TAIL else "...\n" + text[-OUTPUT_TAIL:]
-        raise JobFailed(f"the {label} job failed: hybridrec launch exited with code {code} (config {args.config}, "
-                        f"--set {' '.join(sets)}); its output:\n{shown}")
-    return json.loads(metrics_file.read_text())
+    """One launch of the job (2 PS servers, `embedding_workers`, 2 trainers); its final metrics."""
+    job = argparse.Namespace(**{**vars(args), "ps": 2, "trainers": 2, "embedding_workers": embedding_workers})
+    return launch_job(job, label, overrides, output_dir)
 
 
 def _median(values) -> float | None:
