@@ -26,7 +26,8 @@ AXES: dict[str, dict[str, AxisValue]] = {
         "ps": AxisValue("placement.ps", "remote PS shards, through embedding workers or (none given) directly",
                         servers=("ps_servers", "embedding_workers")),
         "sharded": AxisValue("placement.sharded", "every trainer owns a shard of every table; AllToAll (PICASSO)"),
-        "field_sharded": AxisValue(None, "fields split among trainers (DES)", 22),
+        "field_sharded": AxisValue("placement.field_sharded", "fields split among trainers, each holding its "
+                                   "fields' tables; every trainer reads every row (DES)"),
     },
     "consistency": {
         "sync": AxisValue("consistency.sync", "a lookup sees every earlier update (staleness 0)"),
@@ -45,7 +46,8 @@ AXES: dict[str, dict[str, AxisValue]] = {
         "ps_async": AxisValue("dense.ps_async", "dense parameters on the PS, pushed and pulled without barriers"),
         "easgd": AxisValue("dense.easgd", "a replica per trainer, elastic averaging with a centre on the PS (HT's baseline)"),
         "groups": AxisValue("dense.groups", "a Hogwild copy per group of trainers, elastic averaging between groups (HT)"),
-        "des": AxisValue(None, "distributed equivalent substitution of the first layers", 22),
+        "des": AxisValue("dense.des", "distributed equivalent substitution of the first layers: one AllReduce "
+                     "of partial results, replicated upper layers (DES)"),
     },
     "id_codec": {
         "none": AxisValue("comm.codec", "ID features as they are"),
@@ -68,11 +70,12 @@ PRESETS: dict[str, dict[str, str] | None] = {
             "id_codec": "none", "value_codec": "none"},
     "picasso": {"placement": "sharded", "consistency": "hot_cold", "dense": "allreduce",
                 "id_codec": "none", "value_codec": "none"},
-    "des": None,
+    "des": {"placement": "field_sharded", "consistency": "sync", "dense": "des",
+            "id_codec": "none", "value_codec": "none"},
     "ht": {"placement": "ps", "consistency": "bounded", "dense": "groups",
            "id_codec": "unique", "value_codec": "none"},
 }
-PRESET_ISSUES: dict[str, int] = {"des": 22}  # preset -> the issue that builds it, while PRESETS holds None
+PRESET_ISSUES: dict[str, int] = {}  # preset -> the issue that builds it, while PRESETS holds None
 DEFAULT_PRESET = "local"
 
 
@@ -141,6 +144,15 @@ def impossible(axes: dict[str, str]) -> str | None:
                     "placement (ps); the local step looks up inside autograd")
         if axes["id_codec"] != "none" or axes["value_codec"] != "none":
             return "wire codecs need a remote placement: the local placement sends nothing over a wire"
+    if (placement == "field_sharded") != (dense == "des"):
+        return ("DES needs both: the field_sharded placement gives each trainer its fields' tables and the des "
+                "dense sync computes the first layers from them (strategy.preset: des)")
+    if placement == "field_sharded":
+        if consistency != "sync":
+            return "DES is fully synchronous (consistency sync): its lookups run inside autograd, like the local one's"
+        if axes["id_codec"] != "none" or axes["value_codec"] != "none":
+            return ("the field_sharded placement sends no IDs or rows over a wire (only the partial results of "
+                    "the first layers), so the wire codecs do not apply")
     return None
 
 

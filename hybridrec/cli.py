@@ -22,6 +22,7 @@ BENCHMARKS = {
     "picasso": ("hybridrec.benchmarks.picasso", "PICASSO's ablation (sharded, +packing, +interleaving, +hot/cold) vs local "
                 "and Persia; samples/s against fields"),
     "het": ("hybridrec.benchmarks.het", "HET's cache: BSP / ASP / SSP / no cache / HET s=0..inf jobs, miss rates of LRU / LFU / light LFU"),
+    "des": ("hybridrec.benchmarks.des", "DES vs the Persia preset: AUC, samples/s, bytes per step by batch size"),
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
 }
 

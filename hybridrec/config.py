@@ -498,6 +498,17 @@ class JobConfig(_Section):
     train: TrainConfig = TrainConfig()
     strategy: StrategyConfig = StrategyConfig()
 
+    @model_validator(mode="after")
+    def _substitutable(self):
+        """The des dense sync substitutes the first layers of a few models exactly; others are refused."""
+        if self.strategy.dense == "des":
+            from hybridrec.models.substitution import des_refusal
+
+            reason = des_refusal(self.model.name, self.model.hparams)
+            if reason:
+                raise ValueError(f"strategy.dense: des (distributed equivalent substitution): {reason}")
+        return self
+
 
 # ------------------------------------------------------------------------------------ loading
 def _hint(name, choices) -> str:

@@ -77,6 +77,22 @@ def _lookup_for_evaluation(connection, batch, attempts: int = 3):
     raise RuntimeError(f"evaluation: the rows of a test batch were lost {attempts} times in a row")
 
 
+class _Alone(World):
+    """This trainer as a world of one, even inside a process group: collectives answered in process."""
+
+    @property
+    def grouped(self) -> bool:
+        return False
+
+
+def reading_world(placement, world: World) -> World:
+    """The trainers as the rows are dealt to them: each reads its share of the training rows and
+    scores its share of the held-out ones (`world`), or, when the placement's trainers each
+    compute a part of every sample (`whole_batches`: DES's field_sharded), every trainer reads and
+    scores every row, all together (a world of one)."""
+    return _Alone() if getattr(placement, "whole_batches", False) else world
+
+
 def forward_backward(placement, dense, ready, loss_fn, device):
     """(inputs, logits, loss) of a step's forward and backward passes. A placement that offers
     `micro_batches(looked, batch)` (PICASSO's D-interleaving) may cut the batch into parts: one
@@ -108,7 +124,9 @@ def forward_backward(placement, dense, ready, loss_fn, device):
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, placement, source, label_names, world: World) -> dict:
     """Exact AUC, logloss and normalised entropy per task on every row of `source`: trainer r
-    scores batches r, r+W, ...; every trainer gets the metrics of all of them."""
+    scores batches r, r+W, ... (all of them with a whole-batches placement); every trainer gets the
+    metrics of all of them."""
+    world = reading_world(placement, world)
     was_training = model.training
     model.eval()
     device = next(model.parameters(), torch.empty(0)).device
@@ -165,6 +183,8 @@ def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bo
     if value is None:
         return {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}, None
     record, state = found[1:] if found is not None else (read_progress(value, cfg), read_dense(value))
+    if not world.leader and getattr(placement, "tables_on_trainers", False):
+        _load_embeddings(placement, Path(value))  # each trainer holds (and loads) its own tables
     world.barrier()
     positions = record.pop("next_batch_by_rank")
     return {**record, "next_batch": positions[world.rank]}, state
@@ -214,9 +234,12 @@ def save(cfg: JobConfig, world: World, placement, dense, progress: dict) -> None
     """Every trainer's updates are acknowledged (the caller drained its stream), then the leader
     writes the checkpoint: dense state, the placement's tables, each trainer's data position."""
     positions = world.gather(progress["next_batch"])
+    state = dense.state()  # on every trainer: a dense sync may gather its parts (DES: the first-layer blocks)
+    if getattr(placement, "tables_on_trainers", False):  # each trainer writes its own tables for the leader
+        placement.stage(checkpoint_root(cfg.train.output_dir), progress["step"])
     world.barrier()
     if world.leader:
-        save_checkpoint(cfg.train.output_dir, dense.state(), placement.save, {**progress, "next_batch_by_rank": positions},
+        save_checkpoint(cfg.train.output_dir, state, placement.save, {**progress, "next_batch_by_rank": positions},
                         cfg, cfg.train.keep_checkpoints)
     world.barrier()
 
@@ -249,14 +272,16 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     world = World.current()
     seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
     tables = job_tables(cfg)
-    sources = build_sources(cfg.data, cfg.seed, world.rank, world.size, with_best_auc=world.leader)
     strategy = build_strategy(cfg, tables, world, endpoints)
     placement, dense = strategy.placement, None
     try:
+        readers = reading_world(placement, world)
+        sources = build_sources(cfg.data, cfg.seed, readers.rank, readers.size, with_best_auc=world.leader)
         model = dense_model(cfg, tables)
         device = next(model.parameters(), torch.empty(0)).device
         progress, state = restore(cfg, world, placement, resume, overwrite)
         dense = strategy.dense(model)
+        model = getattr(dense, "model", model)  # what the loop evaluates (DES: this trainer's substituted model)
         if state is not None:
             dense.load(state)
         loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -273,7 +298,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
         if world.leader:  # a launcher prefixes log lines, which a progress bar's carriage returns garble
             reporter = Reporter(cfg.train.output_dir, cfg.train.model_copy(update={"progress": cfg.train.progress
                                                                                   and not world.grouped}),
-                                total_steps=_total_steps(cfg, sources, world), resumed_step=progress["step"],
+                                total_steps=_total_steps(cfg, sources, readers), resumed_step=progress["step"],
                                 append=progress["step"] > 0)
         model.train()
         best = None if sources.valid is None else BestKeeper(cfg.train.output_dir, world, progress["step"] > 0)
@@ -308,7 +333,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                             seconds += time.perf_counter() - tick
                             samples += batch.batch_size
                             progress.update(step=step, epoch=epoch, next_batch=ready.index + 1,
-                                            samples=progress["samples"] + batch.batch_size * world.size)
+                                            samples=progress["samples"] + batch.batch_size * readers.size)
                             if world.leader:
                                 reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(),
                                                     batch.labels, batch.batch_size)
@@ -348,7 +373,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             if best is not None and best.validated_step != progress["step"]:  # the last step's, unless done
                 validate(cfg, world, model, placement, dense, sources, reporter, best, progress)
             metrics = evaluate(model, placement, sources.test, sources.label_names, world)
-            result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire),
+            result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire, readers),
                       "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts(),
                       **dense.facts(world),
                       **strategy.consistency.facts(world),
@@ -377,11 +402,13 @@ def validate(cfg: JobConfig, world: World, model, placement, dense, sources, rep
 
 
 def _run_facts(cfg: JobConfig, world: World, progress: dict, seconds: float, samples: int, staleness: list,
-               wire: dict) -> dict:
-    """Speed, staleness and wire figures of the whole job, from every trainer's own."""
+               wire: dict, readers: World | None = None) -> dict:
+    """Speed, staleness and wire figures of the whole job, from every trainer's own. `readers`: the
+    trainers as the rows are dealt to them (reading_world); where each reads every row, a sample
+    trained by all of them counts once."""
     facts = world.gather({"samples": samples, "seconds": seconds,
                           "staleness": [max(staleness, default=0), sum(staleness), len(staleness)], **wire})
-    total = sum(f["samples"] for f in facts)
+    total = sum(f["samples"] for f in facts) // (world.size // (readers or world).size)
     slowest = max(f["seconds"] for f in facts)
     looked_up = sum(f["staleness"][2] for f in facts)
     return {"step": progress["step"], "samples": progress["samples"], "strategy": cfg.strategy.record(),
@@ -407,10 +434,11 @@ def checkpoint_directory(checkpoint) -> Path:
 
 def load_local(cfg: JobConfig, checkpoint):
     """(dense model, local placement, progress) of a local run's checkpoint (a step-N directory
-    or an output dir, whose latest checkpoint is taken)."""
+    or an output dir, whose latest checkpoint is taken). A DES run's (field_sharded) checkpoint is
+    one: the whole model's state and every table in the local layout."""
     from hybridrec.strategy.placement.local import LocalPlacement
 
-    if cfg.strategy.distributed:
+    if cfg.strategy.distributed and cfg.strategy.resolved["placement"] != "field_sharded":
         raise ConfigError(f"hybridrec eval reads checkpoints of local runs; this config's placement is "
                           f"{cfg.strategy.resolved['placement']!r}, whose tables live on its PS servers")
     path = checkpoint_directory(checkpoint)

@@ -5,8 +5,11 @@ the loop calls forward on), `lockstep` (whether the trainers take every step tog
 loop may run collectives such as a mid-run evaluation), `begin_step()` / `finish_step()` around
 forward and backward, `finish_training()` once every trainer is out of its training loop (a
 collective: the model becomes the one to evaluate and save), `facts(world)` for the result file
-(a collective), `state()` / `load(state)` for checkpoints, and `close()`. `make_dense` builds
-the value named by `strategy.dense` from the module hybridrec.axes names for it.
+(a collective), `state()` / `load(state)` for checkpoints (`state()` is called on every trainer,
+so a sync may gather its parts there; the leader's is written), and `close()`. Its `model`, when
+it has one, is what the loop evaluates and hands to `on_step` (the model itself, or DES's
+substituted one). `make_dense` builds the value named by `strategy.dense` from the module
+hybridrec.axes names for it.
 """
 from __future__ import annotations
 

@@ -9,8 +9,13 @@ A placement gives the training loop three things:
   inputs()    in the training thread: the dense model's `EmbeddingInputs` for a looked-up batch;
   save/load   the embedding tables into / from a checkpoint's `embeddings` directory.
 `background_lookups` says whether lookups may run in another thread than the training step
-(remote rows: yes; the local fused lookup runs inside autograd: no). `make_placement` builds the
-value named by `strategy.placement` from the module hybridrec.axes names for it.
+(remote rows: yes; the local fused lookup runs inside autograd: no). Optional flags:
+`whole_batches` (every trainer reads every row, each computing a part of every sample: DES's
+field_sharded; the loop then deals the data as to one trainer and every trainer scores every
+test row) and `tables_on_trainers` (the trainers hold the tables: before the leader writes a
+checkpoint every trainer calls `stage(checkpoint_root, step)` to write its own tables, which
+the leader's `save` gathers, and on resume every trainer `load`s its own). `make_placement`
+builds the value named by `strategy.placement` from the module hybridrec.axes names for it.
 """
 from __future__ import annotations
 
