@@ -13,6 +13,7 @@ whole with the local placement, and must end with the same model:
   owner's row in the same run without the cache;
 - a checkpoint written by 2 trainers loads into 1 and into 3 (each takes the keys the route
   hash gives it; every row comes back).
+Every 2-trainer task runs in one spawn of two processes (starting them costs more than the tasks).
 """
 from __future__ import annotations
 
@@ -141,25 +142,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, size: int, port: int, task: str, payload, out: str) -> None:
+def _worker(rank: int, size: int, port: int, tasks: list, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     torch.set_num_threads(1)
     # DDP's note on the multi-task head's [T, H, 1] gradient strides (the trainer filters it too)
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     try:
-        result = TASKS[task](rank, size, payload)
+        results = [TASKS[task](rank, size, payload) for task, payload in tasks]
     finally:
         dist.destroy_process_group()
-    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
 
 
-def run_ranks(size: int, task: str, payload, tmp: Path) -> list:
-    out = tmp / f"{task}-{size}-{os.urandom(3).hex()}"
+def run_ranks(size: int, tasks: list, tmp: Path) -> list:
+    """Run `tasks` ((name, payload) pairs) one after the other on `size` spawned trainers (one
+    spawn: starting the processes costs more than the tasks); per task, each rank's result."""
+    out = tmp / f"ranks-{size}-{os.urandom(3).hex()}"
     out.mkdir(parents=True)
-    mp.start_processes(_worker, args=(size, _free_port(), task, payload, str(out)), nprocs=size,
-                       start_method="spawn")
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(size)]
+    mp.start_processes(_worker, args=(size, _free_port(), tasks, str(out)), nprocs=size, start_method="spawn")
+    per_rank = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(size)]
+    return [[per_rank[r][t] for r in range(size)] for t in range(len(tasks))]
 
 
 def _my_batches(cfg_data: dict, rank: int, size: int) -> list:
@@ -193,17 +196,6 @@ def _hot_task(rank: int, size: int, cfg_datas: tuple) -> list:
     return snapshots
 
 
-def _load_task(rank: int, size: int, payload: tuple) -> dict:
-    """This trainer's rows after loading the checkpoint in `directory` into this world."""
-    cfg_data, directory = payload
-    cfg = parse_config(cfg_data)
-    placement = build_strategy(cfg, job_tables(cfg), World(rank, size)).placement
-    placement.load(Path(directory))
-    rows = rows_of(placement)
-    placement.close()
-    return {"rows": rows}
-
-
 def _write_checkpoint_task(rank: int, size: int, payload: tuple) -> dict:
     cfg_data, directory = payload
     world = World(rank, size)
@@ -233,7 +225,7 @@ def _write_checkpoint_task(rank: int, size: int, payload: tuple) -> dict:
     return {"rows": rows}
 
 
-TASKS = {"train": _train_task, "hot": _hot_task, "load": _load_task, "write": _write_checkpoint_task}
+TASKS = {"train": _train_task, "hot": _hot_task, "write": _write_checkpoint_task}
 
 
 # ---------------------------------------------------------------------------------- the tests
@@ -242,21 +234,39 @@ def local_reference(cfg_data: dict, size: int) -> dict:
 
 
 SHARDED = {"preset": "picasso", "consistency": "sync"}
+VARIANTS = {  # (optimizer, strategy.picasso)
+    "sgd, packed": ("sgd", {"interleaving": False}),
+    "sgd, unpacked": ("sgd", {"packing": False, "interleaving": False}),
+    "adagrad, packed": ("adagrad", {"interleaving": False}),
+    "adagrad, unpacked, micro-batched": ("adagrad", {"packing": False, "interleaving": True, "micro_batches": 2}),
+    "adagrad, micro-batched": ("adagrad", {"interleaving": True, "micro_batches": 3}),
+    "adagrad, micro-batched, pipelined groups, split packs": ("adagrad", {"interleaving": True, "micro_batches": 2,
+                                                                          "k_groups": 3, "split_packs": True}),
+}
+HOT = {"interleaving": False, "warmup_iters": 1, "flush_iters": 1, "hot_rows": 40}
+
+
+@pytest.fixture(scope="module")
+def two_trainers(tmp_path_factory):
+    """Every 2-trainer task in one spawn: the variants' training, the hot_cold job beside the same
+    job without the cache, and a checkpoint written by both trainers."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    directory = tmp / "checkpoint" / "embeddings"
+    tasks = [("train", job(opt, {**SHARDED, "picasso": picasso})) for opt, picasso in VARIANTS.values()]
+    tasks.append(("hot", (job("adagrad", {"preset": "picasso", "picasso": HOT}),
+                          job("adagrad", {**SHARDED, "picasso": HOT}))))
+    tasks.append(("write", (job("adagrad", {**SHARDED, "picasso": {"interleaving": False}}), str(directory))))
+    results = run_ranks(2, tasks, tmp)
+    return {"train": dict(zip(VARIANTS, results[:len(VARIANTS)])), "hot": results[-2], "write": results[-1],
+            "directory": directory, "tmp": tmp}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_two_sharded_trainers_train_the_model_one_local_process_trains(tmp_path, optimizer):
+def test_two_sharded_trainers_train_the_model_one_local_process_trains(two_trainers, optimizer):
     want = local_reference(job(optimizer), 2)
-    variants = {
-        "packed": {"interleaving": False},
-        "unpacked": {"packing": False, "interleaving": False},
-    }
-    if optimizer == "adagrad":
-        variants["micro-batched"] = {"interleaving": True, "micro_batches": 3}
-        variants["micro-batched, pipelined groups, split packs"] = {"interleaving": True, "micro_batches": 2,
-                                                                    "k_groups": 3, "split_packs": True}
-    for name, picasso in variants.items():
-        ranks = run_ranks(2, "train", job(optimizer, {**SHARDED, "picasso": picasso}), tmp_path)
+    for name, ranks in two_trainers["train"].items():
+        if not name.startswith(optimizer):
+            continue
         got = {"dense": ranks[0]["dense"], "rows": merged([r["rows"] for r in ranks])}
         for r in ranks[1:]:  # DDP keeps the replicas identical
             for k, v in r["dense"].items():
@@ -300,6 +310,7 @@ def test_packing_on_and_off_give_the_same_outputs_and_gradients():
 
 
 def test_unique_partition_routes_by_the_global_route_hash_and_packing_cuts_the_operations():
+    from hybridrec.embedding import partition as P
     from hybridrec.strategy.placement.sharded import ShardedPlacement
 
     data = job("adagrad", {**SHARDED, "picasso": {"interleaving": False}})
@@ -307,19 +318,14 @@ def test_unique_partition_routes_by_the_global_route_hash_and_packing_cuts_the_o
     data["embedding"].pop("shared")
     data["embedding"].pop("per_feature")
     cfg = parse_config(data)
-    tables = job_tables(cfg)
-    placement = ShardedPlacement(cfg, tables, World())
+    placement = ShardedPlacement(cfg, job_tables(cfg), World())
     batch = global_batches(data, 1, steps=1)[0]
-    from hybridrec.embedding import partition as P
-
+    sp = batch.sparse
     for world in (2, 3, 5):
-        for pack in placement.packs:
-            sp = batch.sparse
+        for pack, hot in zip(placement.packs, placement.hot_sets):
             T = len(pack.tables)
-            slots = np.empty(len(sp.values), np.int64)
-            send = np.empty(len(sp.values), np.uint64)
+            slots, send = np.empty(len(sp.values), np.int64), np.empty(len(sp.values), np.uint64)
             counts = np.empty((world, T), np.int64)
-            hot = placement.hot_sets[0]
             n = P.unique_partition(sp.values, sp.offsets, sp.batch_size, pack.positions(sp.names), pack.tab_seg,
                                    pack.table_index, pack.salts, world, hot.index_keys, hot.index_tables,
                                    hot.index_rows, slots, send, counts, np.empty(T, np.int64), np.empty(T, np.int64))
@@ -345,11 +351,8 @@ def test_unique_partition_routes_by_the_global_route_hash_and_packing_cuts_the_o
     assert ops[False] >= 5 * ops[True], ops
 
 
-def test_hot_rows_are_identical_on_every_trainer_and_equal_the_owners_rows_without_the_cache(tmp_path):
-    picasso = {"interleaving": False, "warmup_iters": 1, "flush_iters": 1, "hot_rows": 40}
-    hot_cfg = job("adagrad", {"preset": "picasso", "picasso": picasso})
-    sync_cfg = job("adagrad", {**SHARDED, "picasso": picasso})
-    ranks = run_ranks(2, "hot", (hot_cfg, sync_cfg), tmp_path)
+def test_hot_rows_are_identical_on_every_trainer_and_equal_the_owners_rows_without_the_cache(two_trainers):
+    ranks = two_trainers["hot"]
     seen_hot = 0
     for step in range(STEPS):
         hot = [r[step]["hot"] for r in ranks]
@@ -361,26 +364,25 @@ def test_hot_rows_are_identical_on_every_trainer_and_equal_the_owners_rows_witho
             weights, state = owned[table][key]  # the row the owner holds without the cache
             np.testing.assert_allclose(row, np.concatenate([weights, state]), rtol=1e-5, atol=1e-6)
         seen_hot += len(hot[0])
-        if step >= 1:
-            assert len(hot[0]) == 40
+        assert len(hot[0]) == (HOT["hot_rows"] if step >= HOT["warmup_iters"] - 1 else 0)
     assert seen_hot > 0
     assert ranks[0][-1]["hit_rate"] > 0.05
 
 
-def test_a_checkpoint_of_two_trainers_loads_into_one_and_into_three(tmp_path):
+def test_a_checkpoint_of_two_trainers_loads_into_one_and_into_three(two_trainers):
     data = job("adagrad", {**SHARDED, "picasso": {"interleaving": False}})
-    directory = tmp_path / "checkpoint" / "embeddings"
-    written = run_ranks(2, "write", (data, str(directory)), tmp_path)
+    directory = two_trainers["directory"]
     assert sorted(p.name for p in directory.iterdir()) == ["shard-0000-of-0002", "shard-0001-of-0002"]
-    want = merged([r["rows"] for r in written])
-    for size in (1, 3):
-        if size == 1:
-            cfg = parse_config(data)
-            placement = build_strategy(cfg, job_tables(cfg), World()).placement
+    want = merged([r["rows"] for r in two_trainers["write"]])
+    cfg = parse_config(data)
+    loaded = {}
+    for size in (1, 3):  # loading reads files only: the trainers of a world of 3 are made here, in turn
+        loaded[size] = []
+        for rank in range(size):
+            placement = build_strategy(cfg, job_tables(cfg), World(rank, size)).placement
             placement.load(directory)
-            ranks = [{"rows": rows_of(placement)}]
-        else:
-            ranks = run_ranks(size, "load", (data, str(directory)), tmp_path)
+            loaded[size].append({"rows": rows_of(placement)})
+    for size, ranks in loaded.items():
         got = merged([r["rows"] for r in ranks])
         assert_same_model({"dense": {}, "rows": got}, {"dense": {}, "rows": want}, rtol=0, atol=0)
         for rank, r in enumerate(ranks):
