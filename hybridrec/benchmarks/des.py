@@ -27,8 +27,9 @@ paper), `--steps` training steps per job:
   exact, and checked against the counters of one real DES job per model at the smallest batch;
 - `ps`: a real Persia-preset job (sync, so it is deterministic; bytes do not depend on the
   discipline) at B / N rows per trainer: the counters' bytes between trainers and embedding worker
-  per step, plus the dense AllReduce (DDP) of every dense parameter, 2 (N - 1) x 4 bytes each
-  (exact for a ring). The embedding workers' own traffic with the PS servers is not counted, so
+  per step (one job per table layout and batch: Wide&Deep and DeepFM have the same tables, so the
+  same embedding bytes), plus the dense AllReduce (DDP) of every dense parameter, 2 (N - 1) x 4
+  bytes each (exact for a ring). The embedding workers' own traffic with the PS servers is not counted, so
   the PS figure is a lower bound;
 - `sharded`: a real job of the sharded placement (PICASSO's, consistency sync: the paper's "mesh")
   whose trainers count the bytes they send, plus the same dense AllReduce; null when that
@@ -216,8 +217,10 @@ def bytes_by_batch(args, models: list[str], batches: list[int], root: Path) -> d
     config, trainers, steps = args.bytes_config, args.bytes_trainers, args.steps
     load_config(config)  # a wrong config fails here, before any job
     out, breakdown, inputs, checks = {}, {}, {}, {}
+    measured: dict = {}  # (tables, batch) -> embedding bytes of the ps and sharded jobs
     for model in models:
         sets = model_sets(model)
+        layout = _table_layout(config, sets)
         width = partial_width(config, sets)
         parameters = dense_parameters(config, sets)
         out[model], breakdown[model], inputs[model] = {}, {}, {}
@@ -239,15 +242,15 @@ def bytes_by_batch(args, models: list[str], batches: list[int], root: Path) -> d
                 checks[model] = {"batch": batch, "counted": counted, "formula": des}
                 if abs(counted - des) > 1e-6 * des:
                     raise JobFailed(f"{model}: the DES job counted {counted} bytes per step, the formula {des}")
-            ps_job = run_job(config, [*common, *PS_SYNC, f"data.batch_size={batch // trainers}"],
-                             root / f"bytes-{model}-ps-{batch}", trainers, True, args.timeout, args.verbose,
-                             f"{model} ps (bytes, batch {batch})")
-            ps_embedding = ps_job["bytes_per_sample"] * batch
+            if (layout, batch) not in measured:  # models with the same tables move the same rows
+                ps_job = run_job(config, [*common, *PS_SYNC, f"data.batch_size={batch // trainers}"],
+                                 root / f"bytes-{model}-ps-{batch}", trainers, True, args.timeout, args.verbose,
+                                 f"{model} ps (bytes, batch {batch})")
+                measured[layout, batch] = (ps_job["bytes_per_sample"] * batch, None if args.no_sharded else
+                                           _sharded_bytes(args, config, common, batch, trainers, root, model))
+            ps_embedding, sharded_embedding = measured[layout, batch]
             dense = ring_dense_bytes(parameters, trainers)
-            sharded = sharded_embedding = None
-            if not args.no_sharded:
-                sharded_embedding = _sharded_bytes(args, config, common, batch, trainers, root, model)
-                sharded = None if sharded_embedding is None else sharded_embedding + dense
+            sharded = None if sharded_embedding is None else sharded_embedding + dense
             out[model][str(batch)] = {"des": des, "ps": ps_embedding + dense, "sharded": sharded}
             breakdown[model][str(batch)] = {"des_partial_width": width, "ps_embedding": ps_embedding,
                                             "ps_dense_allreduce": dense, "sharded_embedding": sharded_embedding,
@@ -266,6 +269,15 @@ def bytes_by_batch(args, models: list[str], batches: list[int], root: Path) -> d
                "trainers": trainers, "steps_per_job": steps, "config": config, "des_counter_checks": checks}
     return {"bytes_by_batch": out, "bytes_breakdown": breakdown, "input_bytes_by_batch": inputs,
             "bytes_summary": summary}
+
+
+def _table_layout(config: str, overrides: list[str]) -> tuple:
+    """The job's tables (names and dims): jobs with the same ones move the same embedding bytes."""
+    from hybridrec.config import load_config
+    from hybridrec.job.tables import job_tables
+
+    tables = job_tables(load_config(config, overrides)).all_tables()
+    return tuple(sorted((name, table.dim) for name, table in tables.items()))
 
 
 def _sharded_bytes(args, config, common, batch, trainers, root, model) -> float | None:
