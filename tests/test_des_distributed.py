@@ -14,6 +14,7 @@ the same global batches with the local placement:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from hybridrec.train.checkpoint import latest_checkpoint
 
 torch.set_num_threads(1)
 
-BATCH, STEPS, FIELDS, DIM, HIDDEN = 128, 6, 7, 4, 8
+BATCH, STEPS, FIELDS, DIM, HIDDEN, TEST_ROWS = 128, 4, 5, 4, 8, 256
 MODELS = {"lr": {}, "fm": {}, "wide_deep": {"hidden": [HIDDEN, 4]}, "deepfm": {"hidden": [HIDDEN]}}
 PARTIAL_WIDTH = {"lr": 1, "fm": 1 + 2 * DIM, "wide_deep": 1 + HIDDEN, "deepfm": 1 + 2 * DIM + HIDDEN}
 
@@ -44,7 +45,7 @@ def job(name: str, output_dir: Path, strategy: dict | None = None, **train) -> d
         "seed": 5,
         "data": {"format": "synthetic", "batch_size": BATCH,
                  "synthetic": {"n_categorical": FIELDS - 2, "n_multi_hot": 2, "multi_hot_max_length": 3,
-                               "n_dense": 3, "vocab_size": 400, "train_rows": BATCH * STEPS, "test_rows": 384,
+                               "n_dense": 3, "vocab_size": 400, "train_rows": BATCH * STEPS, "test_rows": TEST_ROWS,
                                "id_weight_std": 0.5}},
         "model": {"name": name, "embedding_dim": DIM, "hparams": MODELS[name]},
         "embedding": {"default": {"capacity": 4000, "optimizer": {"name": "adagrad", "lr": 0.1}},
@@ -90,6 +91,25 @@ def _log_collectives(log: list) -> None:
         setattr(dist, name, wrapped)
 
 
+@contextlib.contextmanager
+def training_logits():
+    """The logits of every training step the loop takes meanwhile, in a list."""
+    logits: list = []
+    original = loop.logits_of
+
+    def capture(module, inputs, batch, device):
+        out = original(module, inputs, batch, device)
+        if torch.is_grad_enabled():
+            logits.append(out.detach().cpu().numpy().copy())
+        return out
+
+    loop.logits_of = capture
+    try:
+        yield logits
+    finally:
+        loop.logits_of = original
+
+
 _last_placement: list = [None]
 
 
@@ -118,22 +138,10 @@ def _worker(rank: int, size: int, port: int, jobs: list, out: str) -> None:
     records = []
     try:
         for cfg_data, resume in jobs:
-            logits: list = []
-            original = loop.logits_of
-
-            def capture(module, inputs, batch, device):
-                out_ = original(module, inputs, batch, device)
-                if torch.is_grad_enabled():
-                    logits.append(out_.detach().cpu().numpy().copy())
-                return out_
-
-            loop.logits_of = capture
             _watch_placement()
             start = len(log)
-            try:
+            with training_logits() as logits:
                 result = loop.train(parse_config(cfg_data), resume=resume, overwrite=not resume)
-            finally:
-                loop.logits_of = original
             held = sorted(table for collection in _last_placement[0].collections.values()
                           for table in collection.stores)
             records.append({"result": result, "logits": logits, "collectives": log[start:], "tables": held})
@@ -158,20 +166,8 @@ def run_des(size: int, jobs: list, tmp: Path) -> list[list[dict]]:
 
 
 def run_local(cfg_data: dict) -> tuple[dict, list]:
-    logits: list = []
-    original = loop.logits_of
-
-    def capture(module, inputs, batch, device):
-        out_ = original(module, inputs, batch, device)
-        if torch.is_grad_enabled():
-            logits.append(out_.detach().cpu().numpy().copy())
-        return out_
-
-    loop.logits_of = capture
-    try:
+    with training_logits() as logits:
         return loop.train(parse_config(cfg_data), overwrite=True), logits
-    finally:
-        loop.logits_of = original
 
 
 # ---------------------------------------------------------------------------------- comparisons
@@ -216,8 +212,8 @@ def assert_same_training(local_dir, local_result, local_logits, des_dir, des_res
     assert ours.keys() == theirs.keys(), label
     for name, table in theirs.items():
         np.testing.assert_array_equal(ours[name]["keys"], table["keys"], err_msg=f"{label}: keys of {name}")
-        for part in ("weights", "state"):
-            np.testing.assert_allclose(ours[name][part], table[part], rtol=1e-4, atol=2e-5,
+        for part in ("weights", "state"):  # adaptive steps (Adagrad, FTRL) magnify summation-order rounding
+            np.testing.assert_allclose(ours[name][part], table[part], rtol=1e-3, atol=1e-4,
                                        err_msg=f"{label}: {part} of table {name}")
 
 
@@ -239,7 +235,7 @@ def check_collectives(collectives: list, name: str, label: str) -> int:
     # the only float tensors: the [b, P] partial results, one AllReduce per step and per test batch
     assert all(c["op"] == "all_reduce" and len(c["shape"]) == 2 and c["shape"][1] == PARTIAL_WIDTH[name]
                for c in floats), (label, floats)
-    assert len([c for c in floats if c["shape"][0] == BATCH]) == STEPS + 384 // BATCH, label
+    assert len([c for c in floats if c["shape"][0] == BATCH]) == STEPS + TEST_ROWS // BATCH, label
     flags = [c for c in collectives if "shape" in c and c["dtype"] == "torch.int32"]
     assert all(c["shape"] == [1] for c in flags), label  # the loop's "every trainer has a batch"
     # the objects: progress, flags, facts and, for the checkpoint, the first-layer blocks and their
@@ -289,7 +285,7 @@ def test_des_on_n_trainers_trains_what_one_process_trains(tmp_path, local_runs, 
         payload = BATCH * PARTIAL_WIDTH[name] * 4
         for rank in range(size):
             sent = check_collectives(ranks[rank][index]["collectives"], name, label)
-            assert sent == STEPS * payload + 384 * PARTIAL_WIDTH[name] * 4, label  # training + test batches
+            assert sent == STEPS * payload + TEST_ROWS * PARTIAL_WIDTH[name] * 4, label  # training + test batches
         assert des["allreduces_per_step"] == 1 and des["allreduce_payload_bytes_per_step"] == payload
         assert des["wire_bytes_per_step"] == 2 * (size - 1) * payload  # ring AllReduce, each byte once
         assert leader["result"]["bytes_per_sample"] == pytest.approx(des["wire_bytes_per_step"] / BATCH)
