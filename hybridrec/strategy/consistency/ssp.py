@@ -1,6 +1,7 @@
 """Stale synchronous parallel (SSP, Ho et al. 2013), the classic baseline HET compares with:
 worker clocks, not embedding clocks. A trainer's clock is the number of its iterations whose
-updates the PS servers acknowledged (an iteration skipped at the end of an epoch counts as done);
+updates the PS servers acknowledged (a batch looked up but skipped at the end of an epoch, when
+another trainer ran out of data, is not an iteration);
 the lookup of its iteration c waits until every trainer's clock is at least c - s, with
 s = `strategy.ssp.staleness`. So no trainer runs more than s iterations ahead of the slowest, a
 lookup sees every update of every iteration before c - s, and s = 0 is BSP: every lookup sees
@@ -51,7 +52,9 @@ class _Clocked:
         return self._connection.lookup(prepared, train)
 
     def update(self, looked, grads: dict) -> dict:
-        reply = {} if looked is _SKIPPED else self._connection.update(looked, grads)
+        if looked is _SKIPPED:  # looked up, not trained: not an iteration (skip() took back its lookup)
+            return {}
+        reply = self._connection.update(looked, grads)
         self._owner.acknowledged += 1
         self._clocks.report(self._owner.acknowledged)
         return reply
@@ -72,11 +75,15 @@ class _ClockClient(WorkerClockClient):
 
 class SspPipeline(EmbeddingPipeline):
     def __init__(self, batches: Iterable[Batch], connect: Callable, staleness: int, skip: int = 0,
-                 limit: int | None = None):
+                 limit: int | None = None, on_skip: Callable[[], None] = lambda: None):
         self._closing = threading.Event()
+        self._on_skip = on_skip
         super().__init__(batches, lambda: connect(self._closing), staleness, skip=skip, limit=limit)
 
     def skip(self, ready) -> None:
+        """`ready` will not be trained (another trainer ran out of data): its lookup is not an
+        iteration, so the clocks of trainers in lockstep stay equal across epochs."""
+        self._on_skip()
         self._pushes.put((_SKIPPED, {}))
 
     def close(self) -> None:
@@ -103,7 +110,10 @@ class Ssp(Consistency):
             clocks = _ClockClient(client, world.rank, world.size, self.generation)
             return _Clocked(self, placement.connect(), clocks, closing)
 
-        return SspPipeline(batches, connect, self.staleness, skip=skip, limit=limit)
+        return SspPipeline(batches, connect, self.staleness, skip=skip, limit=limit, on_skip=self._took_back)
+
+    def _took_back(self) -> None:
+        self.lookups -= 1
 
 
 CONSISTENCY = Ssp
