@@ -185,16 +185,22 @@ def test_the_embedding_worker_killed_at_several_moments_costs_batches_not_the_jo
     assert no_role_left(config)
 
 
-def test_trainer_failure_restarts_the_group_from_the_last_checkpoint(tmp_path):
-    config, log = write_config(tmp_path, checkpoint_every=10), tmp_path / "launch.log"
-    process = start_launch(config, log, "--max-restarts", "3")
-    latest = tmp_path / "run" / "checkpoints" / "latest"
-    wait_for(lambda: latest.is_file() and trained_steps(tmp_path / "run") >= 25, JOB_SECONDS,
-             "a checkpoint and 25 steps", log)
+def kill_a_trainer_after_a_checkpoint(config: Path, run: Path, log: Path, steps: int = 25,
+                                      seconds: float = JOB_SECONDS) -> None:
+    """Once the run has a checkpoint and `steps` steps, SIGKILL one trainer process (not torchrun)."""
+    latest = run / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() and trained_steps(run) >= steps, seconds,
+             f"a checkpoint and {steps} steps", log)
     workers = [pid for pid in processes_with("hybridrec.parallel.trainer", str(config))
                if "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
     assert workers, "no trainer process found"
     os.kill(workers[0], signal.SIGKILL)
+
+
+def test_trainer_failure_restarts_the_group_from_the_last_checkpoint(tmp_path):
+    config, log = write_config(tmp_path, checkpoint_every=10), tmp_path / "launch.log"
+    process = start_launch(config, log, "--max-restarts", "3")
+    kill_a_trainer_after_a_checkpoint(config, tmp_path / "run", log)
     code = finish(process, log)
     assert code == 0, log.read_text()[-3000:]
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())

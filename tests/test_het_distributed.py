@@ -14,8 +14,8 @@ import yaml
 
 import pytest
 
-from test_distributed import (LEARNT_GAP, no_role_left, processes_with, steps_of_one_epoch,  # noqa: E402
-                              trained_steps, wait_for)
+from test_distributed import (LEARNT_GAP, kill_a_trainer_after_a_checkpoint, no_role_left,  # noqa: E402
+                              steps_of_one_epoch)
 
 # bound on one job: every role compiles its kernels first when the numba cache is cold (any source
 # change), which on a small, shared machine takes minutes
@@ -78,13 +78,7 @@ def test_a_trainer_killed_mid_training_loses_only_its_cache_and_the_job_finishes
     config = write_config(tmp_path, {"staleness": 100, "cache_fraction": 0.1}, checkpoint_every=10)
     log = tmp_path / "log"
     process = start(config, log, "--max-restarts", "3")
-    latest = tmp_path / "run" / "checkpoints" / "latest"
-    wait_for(lambda: latest.is_file() and trained_steps(tmp_path / "run") >= 25, JOB_SECONDS,
-             "a checkpoint and 25 steps", log)
-    workers = [pid for pid in processes_with("hybridrec.parallel.trainer", str(config))
-               if "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
-    assert workers, "no trainer process found"
-    os.kill(workers[0], signal.SIGKILL)
+    kill_a_trainer_after_a_checkpoint(config, tmp_path / "run", log, seconds=JOB_SECONDS)
     code = finish(process, log)
     assert code == 0, log.read_text()[-3000:]
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())

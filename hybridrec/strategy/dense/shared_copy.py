@@ -11,7 +11,6 @@ them, so nothing is left behind however the job ends.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -81,7 +80,3 @@ class SharedCopy:
     @property
     def total_writes(self) -> int:
         return int(self.writes.sum())
-
-    @staticmethod
-    def nbytes(model: torch.nn.Module) -> int:
-        return 4 * sum(math.prod(p.shape) for p in model.parameters())
