@@ -293,9 +293,6 @@ class PlanSection(_Section):
     trainer_memory_gb: float = Field(16.0, gt=0, description="memory a trainer gives the dense part, GiB")
     group_ps_memory_gb: float = Field(16.0, gt=0, description="memory of a group PS, GiB")
     refine_seconds: float = Field(5.0, ge=0, le=3600, description="time limit of the greedy refinement")
-    wire_codec: Literal["none", "bf16", "int8"] = Field("none", description="activations and gradients between "
-                                                         "trainers and group PSs: none | bf16 | int8 (int8 "
-                                                         "activations, bf16 gradients)")
 
 
 class HierarchicalSection(_Section):
@@ -305,8 +302,13 @@ class HierarchicalSection(_Section):
     averaging in a background thread. `easgd` is one group per trainer."""
 
     groups: int = Field(1, ge=1, le=1024, description="groups: dense copies (the trainers divide evenly among them)")
-    group_ps: int = Field(0, ge=0, le=64, description="group PS processes per group; 0: the group's dense copy "
+    group_ps: int = Field(0, ge=0, le=64, description="group PS processes per group, running the layers the "
+                                                     "operator placement puts on them; 0: the group's dense copy "
                                                      "lives in shared memory on its trainers' host")
+    wire_codec: Literal["none", "bf16", "int8", "topk"] = Field(
+        "none", description="activations and gradients between trainers and group PSs: none | bf16 | int8 (int8 "
+                            "activations, bf16 gradients) | topk (float32 activations, top-k gradients with error "
+                            "feedback, strategy.topk_ratio)")
     alpha: float = Field(0.1, gt=0, le=1, description="elastic averaging rate: each sync moves the copy and the "
                                                      "centre alpha of the way toward each other")
     period: int = Field(4, ge=1, le=1_000_000, description="steps of a copy between two elastic syncs")
@@ -441,16 +443,16 @@ class StrategyConfig(_Section):
 
     @model_validator(mode="after")
     def _groups_fit(self):
-        """Hierarchical Training's groups divide the trainers evenly; group PS processes are not built."""
+        """Hierarchical Training's groups divide the trainers evenly; a wire codec needs group PSs."""
         if self.dense == "groups":
             if self.roles.trainers % self.ht.groups:
                 raise ValueError(f"strategy.ht.groups {self.ht.groups}: {self.roles.trainers} trainers "
                                  f"(strategy.roles.trainers) do not divide into {self.ht.groups} groups of equal "
                                  "size; allowed: a divisor of the trainer count")
-            if self.ht.group_ps:
-                raise ValueError(f"strategy.ht.group_ps {self.ht.group_ps}: group PS processes that run placed "
-                                 "layers are not built (`hybridrec plan` shows where they would go); allowed: 0, "
-                                 "the group's copy in shared memory on its trainers' host")
+        if self.ht.wire_codec != "none" and not self.ht.group_ps:
+            raise ValueError(f"strategy.ht.wire_codec {self.ht.wire_codec}: it compresses what travels between "
+                             "trainers and group PSs, and strategy.ht.group_ps is 0; set group_ps >= 1 or leave "
+                             "the codec at none")
         return self
 
     @model_validator(mode="after")

@@ -120,7 +120,7 @@ def _config(tmp_path: Path, strategy: dict) -> Path:
 
 @pytest.mark.parametrize("strategy, message", [
     ({"preset": "ht", "roles": {"trainers": 3}, "ht": {"groups": 2}}, r"strategy.ht.groups 2: 3 trainers"),
-    ({"preset": "ht", "ht": {"group_ps": 2}}, r"strategy.ht.group_ps 2: group PS processes .* allowed: 0"),
+    ({"preset": "ht", "ht": {"wire_codec": "int8"}}, r"strategy.ht.wire_codec int8: .*group_ps is 0"),
     ({"dense": "easgd"}, r"easgd keeps the centre copy .* placement ps"),
 ])
 def test_the_config_refuses_what_cannot_run(tmp_path, strategy, message):
@@ -128,19 +128,24 @@ def test_the_config_refuses_what_cannot_run(tmp_path, strategy, message):
         load_config(_config(tmp_path, strategy))
 
 
-def test_two_groups_of_two_trainers_converge_on_loopback(tmp_path):
+def launch_ht_job(tmp_path: Path, ht: dict, trainers: int = 4) -> dict:
+    """Run the small test job with preset ht and strategy.ht = `ht` on loopback; its final metrics."""
     config = write_config(tmp_path)
     data = yaml.safe_load(config.read_text())
-    data["strategy"] = {**data["strategy"], "preset": "ht", "ht": {"groups": 2, "alpha": 0.2, "period": 2}}
+    data["strategy"] = {**data["strategy"], "preset": "ht", "ht": ht}
     config.write_text(yaml.safe_dump(data))
     log = tmp_path / "launch.log"
-    before = set(SHM_DIRECTORY.glob("hybridrec-ht-*"))
     code = subprocess.run([sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", "1",
-                           "--embedding-workers", "1", "--trainers", "4", "--overwrite", "--timeout",
+                           "--embedding-workers", "1", "--trainers", str(trainers), "--overwrite", "--timeout",
                            str(JOB_SECONDS)], stdout=log.open("w"), stderr=subprocess.STDOUT,
                           timeout=JOB_SECONDS + 60).returncode
     assert code == 0, log.read_text()[-3000:]
-    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    return json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+
+
+def test_two_groups_of_two_trainers_converge_on_loopback(tmp_path):
+    before = set(SHM_DIRECTORY.glob("hybridrec-ht-*"))
+    result = launch_ht_job(tmp_path, {"groups": 2, "alpha": 0.2, "period": 2})
     assert result["strategy"]["dense"] == "groups"
     assert result["dense_replicas"] == 2 and result["trainers_per_group"] == 2
     assert result["elastic_syncs"] > 0 and result["elastic_sync_bytes"] > 0

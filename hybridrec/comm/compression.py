@@ -224,6 +224,64 @@ class ErrorFeedback:
 
 
 CODECS = {c.name: c for c in (NoCodec, Bf16Codec, Int8Codec, TopKCodec)}
+MAX_WIRE_RANK = 8
+
+
+# ------------------------------------------------------------------------------------ packed tensors in messages
+def packed_arrays(packed: Packed, prefix: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The transport arrays (hybridrec.comm.transport) that carry `packed`, each tensor as
+    `prefix.name` (a bfloat16 tensor as its int16 bits: numpy has no bfloat16), and the header
+    entry `unpack_arrays` needs to rebuild it."""
+    arrays, bf16 = {}, []
+    for name, tensor in packed.tensors.items():
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+            bf16.append(name)
+        arrays[f"{prefix}.{name}"] = tensor.contiguous().numpy()
+    return arrays, {"codec": packed.codec, "shape": list(packed.shape), "bf16": bf16}
+
+
+def unpack_arrays(arrays: dict[str, np.ndarray], about: dict, prefix: str) -> Packed:
+    """The Packed that `packed_arrays` sent under `prefix`; ValueError naming what is malformed."""
+    if not isinstance(about, dict) or about.get("codec") not in CODECS:
+        raise ValueError(f"{prefix}: the packed tensor's header must name a codec of {sorted(CODECS)}, "
+                         f"got {about!r:.100}")
+    shape, bf16 = about.get("shape"), about.get("bf16", [])
+    if (not isinstance(shape, list) or len(shape) > MAX_WIRE_RANK
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise ValueError(f"{prefix}: shape must be a list of at most {MAX_WIRE_RANK} ints >= 0, got {shape!r:.100}")
+    if not isinstance(bf16, list):
+        raise ValueError(f"{prefix}: bf16 must be a list of tensor names, got {bf16!r:.100}")
+    tensors = {}
+    for key, array in arrays.items():
+        if key.startswith(prefix + "."):
+            name = key[len(prefix) + 1:]
+            tensor = torch.from_numpy(np.array(array))  # the frame is read-only; torch wants its own
+            tensors[name] = tensor.view(torch.bfloat16) if name in bf16 else tensor
+    packed = Packed(about["codec"], tensors, tuple(shape))
+    _check_sizes(packed, prefix)
+    return packed
+
+
+def _check_sizes(packed: Packed, prefix: str) -> None:
+    """ValueError when a packed tensor's parts cannot decode to its shape (a malformed message)."""
+    numel, t = math.prod(packed.shape), packed.tensors
+    needs = {"none": ("values",), "bf16": ("values",), "int8": ("values", "scales"),
+             "topk": ("indices", "values")}[packed.codec]
+    if sorted(t) != sorted(needs):
+        raise ValueError(f"{prefix}: a {packed.codec} tensor carries {list(needs)}, got {sorted(t)}")
+    if packed.codec in ("none", "bf16"):
+        ok = t["values"].numel() == numel and t["values"].is_floating_point()
+    elif packed.codec == "int8":
+        values, scales = t["values"], t["scales"]
+        ok = (values.dtype == torch.int8 and values.dim() == 2 and scales.dtype == torch.float32
+              and scales.shape == values.shape[:1] and values.numel() >= numel)
+    else:
+        indices = t["indices"]
+        ok = (indices.dtype in (torch.int32, torch.int64) and indices.shape == t["values"].shape
+              and (indices.numel() == 0 or (int(indices.min()) >= 0 and int(indices.max()) < numel)))
+    if not ok:
+        raise ValueError(f"{prefix}: the {packed.codec} tensor's parts do not make shape {list(packed.shape)}")
 
 
 def make_codec(name: str, **options) -> NoCodec | Bf16Codec | Int8Codec | TopKCodec:

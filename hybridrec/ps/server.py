@@ -395,14 +395,20 @@ def launch(args: Sequence[str], *, env: Mapping[str, str] | None = None,
     process = subprocess.Popen([sys.executable, "-m", "hybridrec.ps.server", *args],
                                stdout=subprocess.PIPE, text=True,
                                env=None if env is None else dict(env))
+    return process, listening_address(process, LISTENING, f"PS server {list(args)}", startup_timeout)
+
+
+def listening_address(process: subprocess.Popen, marker: str, what: str, startup_timeout: float) -> str:
+    """The address a server process prints after `marker` on its first line; the process is
+    killed and RuntimeError raised when no such line comes within `startup_timeout` seconds."""
     ready, _, _ = select.select([process.stdout], [], [], startup_timeout)
     line = process.stdout.readline() if ready else ""
-    if LISTENING not in line:
+    if marker not in line:
         process.kill()
         process.wait(10)
-        raise RuntimeError(f"PS server {list(args)} did not start within {startup_timeout}s "
-                           f"(exit code {process.returncode}, said {line!r})")
-    return process, line.split(LISTENING)[1].split()[0]
+        raise RuntimeError(f"{what} did not start within {startup_timeout}s (exit code {process.returncode}, "
+                           f"said {line!r})")
+    return line.split(marker)[1].split()[0]
 
 
 def _parse_table(text: str) -> tuple[str, dict[str, Any]]:

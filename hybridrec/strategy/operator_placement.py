@@ -32,14 +32,15 @@ group PS runs its operators (and applies their optimizer updates) t times. Every
 two devices goes through the trainer that runs the batch (trainers drive the loop; a group PS
 returns its outputs to the caller), forward and, when it carries a gradient, backward; a device
 sends and receives at the same time (full duplex), so its network time is the larger of the two
-over its bandwidth. A wire codec (`wire_codec`: bf16, or int8 activations with bf16 gradients,
-hybridrec.comm.compression) scales those bytes exactly; its CPU cost is not modelled (the paper
+over its bandwidth. A wire codec (strategy.ht.wire_codec: bf16, int8 activations with bf16
+gradients, or top-k gradients; hybridrec.strategy.dense.remote_wire) scales those bytes exactly
+(top-k by its ratio); its CPU cost is not modelled (the paper
 leaves that to future work too). Backward costs twice the forward FLOPs of a parameter-owning
 operator and once those of glue.
 
-Executing a plan (the net transformation: running a group PS's layers in its process, with
-activations forward and gradients back over the wire) is not part of this module; the plan is
-printed (`hybridrec plan CONFIG`) and saved with a run (`write_plan`).
+This module only plans; the plan is printed (`hybridrec plan CONFIG`) and saved with a run.
+hybridrec.strategy.dense.net_transformation executes it: a group PS's layers run in its process,
+with activations forward and gradients back over the wire.
 """
 
 from __future__ import annotations
@@ -62,18 +63,22 @@ INPUT, LOSS = "(input)", "(loss)"
 OPTIMIZER_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # float tensors per parameter besides weight and grad
 OPTIMIZER_FLOPS_PER_VALUE = {"sgd": 2, "adagrad": 5, "adam": 10}
 PLAN_FILE = "plan.json"
-WIRE_CODECS = ("none", "bf16", "int8")  # int8: activations int8 with a float32 scale a block, gradients bf16
+WIRE_CODECS = ("none", "bf16", "int8", "topk")  # hybridrec.strategy.dense.remote_wire
 INT8_BLOCK = 64  # values per int8 scale (Int8Codec(block_size=64)): narrow activations need no scale a row
 
 
-def wire_bytes(edge: "Edge", codec: str) -> tuple[float, float]:
+def wire_bytes(edge: "Edge", codec: str, topk_ratio: float = 0.01) -> tuple[float, float]:
     """(forward, backward) bytes of an edge's tensors under a wire codec of
-    hybridrec.comm.compression: bf16 halves both; int8 sends a byte a value plus one float32
-    scale per INT8_BLOCK values forward (Int8Codec(block_size=INT8_BLOCK)) and bf16 gradients back."""
+    hybridrec.strategy.dense.remote_wire: bf16 halves both; int8 sends a byte a value plus one
+    float32 scale per INT8_BLOCK values forward (Int8Codec(block_size=INT8_BLOCK)) and bf16
+    gradients back; topk sends float32 forward and topk_ratio of the gradients back as an int32
+    index and a float32 value each."""
     if codec == "none":
         return float(edge.nbytes), float(edge.nbytes)
     if codec == "bf16":
         return edge.nbytes / 2, edge.nbytes / 2
+    if codec == "topk":
+        return float(edge.nbytes), edge.nbytes * topk_ratio * 2
     return edge.nbytes / 4 + 4 * edge.blocks, edge.nbytes / 2
 
 
@@ -238,7 +243,8 @@ class CostModel:
     devices: tuple[Device, ...]
     trainers: int = 1
     optimizer: str = "adam"
-    wire_codec: str = "none"  # activations and gradients between devices (hybridrec.comm.compression)
+    wire_codec: str = "none"  # activations and gradients between devices (hybridrec.strategy.dense.remote_wire)
+    topk_ratio: float = 0.01  # wire codec topk: share of the gradients' entries sent
 
     def __post_init__(self):
         if not self.devices or self.devices[0].name != TRAINER:
@@ -294,7 +300,7 @@ class _Evaluator:
         self.work = [op.flops * (3 if op.kind == "params" else 2) + update * op.param_bytes / 4 for op in graph.ops]
         self.state = [op.param_bytes * (2 + states) for op in graph.ops]
         self.rounds = [1] + [cost.trainers] * (len(cost.devices) - 1)  # batches a device runs per round
-        self.wire = [wire_bytes(edge, cost.wire_codec) for edge in graph.edges]
+        self.wire = [wire_bytes(edge, cost.wire_codec, cost.topk_ratio) for edge in graph.edges]
 
     def op_memory(self, i: int, device: int) -> float:
         return self.state[i] + self.rounds[device] * self.graph.ops[i].output_bytes
@@ -643,7 +649,8 @@ def cost_model(cfg, group_ps: int | None = None) -> CostModel:
     group_ps = [Device(f"ps{j}", plan.group_ps_gflops * 1e9, plan.network_gbit * 1e9 / 8,
                        plan.group_ps_memory_gb * 2**30) for j in range(group_ps)]
     trainers = max(1, cfg.strategy.roles.trainers // ht.groups)
-    return CostModel((trainer, *group_ps), trainers, cfg.train.dense_optimizer.name, plan.wire_codec)
+    return CostModel((trainer, *group_ps), trainers, cfg.train.dense_optimizer.name, ht.wire_codec,
+                     cfg.strategy.topk_ratio)
 
 
 def plan_model(model: nn.Module, cost: CostModel, batch_size: int, refine_seconds: float = 5.0) -> Plan:

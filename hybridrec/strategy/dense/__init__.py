@@ -36,11 +36,15 @@ class DenseSync:
         pass
 
 
+def optimizer_of(spec: dict, params) -> torch.optim.Optimizer:
+    """The torch optimizer a train.dense_optimizer section (as a dict: name, lr, weight_decay) names."""
+    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[spec["name"]]
+    return cls(params, lr=spec["lr"], weight_decay=spec["weight_decay"])
+
+
 def dense_optimizer(cfg, params) -> torch.optim.Optimizer:
     """The torch optimizer of the dense model's parameters, as train.dense_optimizer says."""
-    d = cfg.train.dense_optimizer
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[d.name]
-    return cls(params, lr=d.lr, weight_decay=d.weight_decay)
+    return optimizer_of(cfg.train.dense_optimizer.model_dump(), params)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -26,10 +26,16 @@ def elastic_delta(local: dict[str, np.ndarray], centre: dict[str, np.ndarray], a
 class ElasticSync:
     """Syncs `params` (name -> tensor, changed in place) with the centre behind `client` (a PS
     client of its own: this thread is its only user) every time `due()` says so; `poke()`
-    wakes it after a step. Counts syncs and the bytes they moved."""
+    wakes it after a step. Counts syncs and the bytes they moved.
 
-    def __init__(self, params: dict[str, torch.Tensor], client, alpha: float, due, poll_seconds: float = 0.05):
+    `slices`: local name -> (centre name, dim, start, stop) for a tensor that is a slice of a
+    centre parameter (a part of a split FC layer, hybridrec.models.fc_split): it syncs with that
+    slice of the centre; the push carries zeros elsewhere."""
+
+    def __init__(self, params: dict[str, torch.Tensor], client, alpha: float, due, poll_seconds: float = 0.05,
+                 slices: dict[str, tuple[str, int, int, int]] | None = None):
         self.params, self.client, self.alpha, self.due = params, client, alpha, due
+        self.slices = dict(slices or {})
         self.poll_seconds = poll_seconds
         self.syncs = 0
         self.bytes = 0
@@ -46,18 +52,28 @@ class ElasticSync:
             raise RuntimeError(f"the elastic averaging thread failed: {self.error}") from self.error
         self._wake.set()
 
+    def _where(self, name: str) -> tuple[str, tuple]:
+        """The centre parameter a local tensor syncs with, and the index of its part of it."""
+        if name not in self.slices:
+            return name, (Ellipsis,)
+        centre, dim, start, stop = self.slices[name]
+        return centre, (slice(None),) * dim + (slice(start, stop),)
+
     def sync_once(self) -> None:
-        names = list(self.params)
-        centre = self.client.dense_pull(names)
-        local = {name: self.params[name].detach().numpy().copy() for name in names}
-        delta = elastic_delta(local, centre, self.alpha)
-        self.client.dense_push({name: -d for name, d in delta.items()})
+        where = {name: self._where(name) for name in self.params}
+        centre = self.client.dense_pull(sorted({c for c, _ in where.values()}))
+        local = {name: self.params[name].detach().numpy().copy() for name in self.params}
+        delta = elastic_delta(local, {name: centre[c][index] for name, (c, index) in where.items()}, self.alpha)
+        push = {c: np.zeros_like(value, dtype=np.float32) for c, value in centre.items()}
+        for name, (c, index) in where.items():
+            push[c][index] -= delta[name]
+        self.client.dense_push(push)
         for name, d in delta.items():
             # through .data: a forward of the training thread may hold this parameter for its
             # backward, and a change autograd tracked would fail that backward
             self.params[name].data.sub_(torch.from_numpy(d))
         self.syncs += 1
-        self.bytes += 2 * sum(d.nbytes for d in delta.values())  # the centre pulled, -d pushed
+        self.bytes += 2 * sum(value.nbytes for value in push.values())  # the centre pulled, -d pushed
 
     def _run(self) -> None:
         try:
