@@ -12,15 +12,21 @@ of the run. HT Figure 7 plots this loss relative to the EASGD baseline over the 
 `--plot FILE.png` draws the same from the jobs' metrics.jsonl (median over the runs at each
 logged step), with samples/s beside it (Figure 8).
 
-`--json` prints one line: {"easgd_4": R, "ht_2x2": R, "ht_1x4": R, ...} (names follow
---trainers), each R with `final_logloss`, `auc`, `logloss`, `samples_per_s` and the rest.
+The codecs section (`--codecs`, default every wire codec; `--codecs ""` skips it) runs the HT
+variant with the most groups once more per wire codec with one group PS per group
+(strategy.ht.group_ps=1: the layers the operator placement puts on it run there) and reports
+the bytes between trainers and group PSs per training step (activations forward, gradients
+back, both directions) and test AUC.
+
+`--json` prints one line: {"easgd_4": R, "ht_2x2": R, "ht_1x4": R, ..., "codecs": {"none": C,
+"bf16": C, "int8": C, "topk": C}} (names follow --trainers), each R with `final_logloss`, `auc`,
+`logloss`, `samples_per_s` and the rest, each C with `bytes_per_step`, `auc` and `logloss`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +34,7 @@ from hybridrec.benchmarks.hybrid import JobFailed, _fmt, _median, run_variants, 
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/persia_synthetic.yaml"
+WIRE_CODECS = ("none", "bf16", "int8", "topk")
 FACTS = ("dense_replicas", "trainers_per_group", "max_dense_staleness", "mean_dense_staleness", "elastic_syncs")
 LATE_FRACTION = 0.25  # final_logloss: the mean training loss over the last quarter of the logged steps
 
@@ -52,7 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show the launcher's output of every job")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--plot", metavar="FILE.png", help="draw relative loss over the run and samples/s")
+    parser.add_argument("--codecs", default=",".join(WIRE_CODECS), metavar="C,C,...",
+                        help="wire codecs to run with a group PS per group (default: all of "
+                             f"{','.join(WIRE_CODECS)}; empty: skip the codecs section)")
     return parser
+
+
+def codec_list(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    codecs = [c for c in args.codecs.split(",") if c]
+    unknown = [c for c in codecs if c not in WIRE_CODECS]
+    if unknown:
+        parser.error(f"--codecs {args.codecs}: unknown codec(s) {unknown}; allowed: {', '.join(WIRE_CODECS)}")
+    return codecs
+
+
+def codec_variants(trainers: int, groups: int, codecs: list[str]) -> dict[str, list[str]]:
+    """The HT variant with `groups` groups, one group PS each, once per wire codec."""
+    return {f"codec_{c}": ["strategy.preset=ht", "strategy.dense=groups", f"strategy.ht.groups={groups}",
+                           "strategy.ht.group_ps=1", f"strategy.ht.wire_codec={c}"] for c in codecs}
+
+
+def summarize_codec(runs: list[dict]) -> dict:
+    summary = summarize_variant(runs)
+    return {"bytes_per_step": _median([r.get("wire_bytes_per_step") for r in runs]), "auc": summary["auc"],
+            "logloss": summary["logloss"], "samples_per_s": summary["samples_per_s"],
+            "elastic_sync_bytes_per_sample": _median([r["elastic_sync_bytes"] / r["samples"] for r in runs
+                                                      if r.get("samples")]),
+            "max_dense_staleness": _median([r.get("max_dense_staleness") for r in runs])}
 
 
 def group_counts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[int]:
@@ -125,6 +158,19 @@ def print_report(report: dict, names: list[str]) -> None:
               f"{_fmt(r['mean_dense_staleness'], 2):>10} {_fmt(r['elastic_sync_bytes_per_sample'], 0):>13}")
 
 
+def print_codecs(codecs: dict, groups: int, trainers: int) -> None:
+    if not codecs:
+        return
+    base = codecs.get("none", {}).get("bytes_per_step")
+    print(f"wire codecs: ht_{groups}x{trainers // groups} with one group PS per group; bytes between trainers and "
+          "group PSs per training step")
+    print(f"{'codec':<6} {'bytes/step':>12} {'vs none':>8} {'auc':>8} {'logloss':>8} {'samples/s':>10}")
+    for name, c in codecs.items():
+        ratio = c["bytes_per_step"] / base if base and c["bytes_per_step"] is not None else None
+        print(f"{name:<6} {_fmt(c['bytes_per_step'], 0):>12} {'-' if ratio is None else f'{ratio:.3f}':>8} "
+              f"{_fmt(c['auc']):>8} {_fmt(c['logloss']):>8} {_fmt(c['samples_per_s'], 0):>10}")
+
+
 def plot(report: dict, names: list[str], path: str) -> None:
     import matplotlib
 
@@ -160,14 +206,17 @@ def main(argv: list[str] | None = None) -> dict:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
-    chosen = variants(args.trainers, group_counts(args, parser))
+    counts = group_counts(args, parser)
+    chosen = variants(args.trainers, counts)
+    coded = codec_variants(args.trainers, max(counts), codec_list(args, parser))
     args.seeds = None
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hybridrec-bench-ht-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        raw = run_variants(args, chosen, root)
+        raw = run_variants(args, {**chosen, **coded}, root)
         report = {name: summarize(raw[name], [loss_curve(root / f"{name}-run{i}") for i in range(args.runs)])
                   for name in chosen}
+        report["codecs"] = {name.removeprefix("codec_"): summarize_codec(raw[name]) for name in coded}
     except (JobFailed, ValueError) as exc:
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
     finally:
@@ -177,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "ps": args.ps, "embedding_workers": args.embedding_workers}
     names = list(chosen)
     print_report(report, names)
+    print_codecs(report["codecs"], max(counts), args.trainers)
     if args.plot:
         plot(report, names, args.plot)
         print(f"plot: {args.plot}")

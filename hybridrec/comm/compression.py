@@ -24,7 +24,8 @@ whole tensors (no Python loop per element).
 
 `wire(x, forward, backward, stats)` passes a tensor through a compressed wire inside autograd
 (forward codec on the value, backward codec on its gradient, bytes counted), for measuring a
-codec's effect on training where no process boundary exists yet. `dense_comm_hook(name)` turns a codec into a DDP communication hook for the allreduce dense sync
+codec's effect on training in one process (the group PSs of hybridrec.strategy.dense use the
+same codecs between processes). `dense_comm_hook(name)` turns a codec into a DDP communication hook for the allreduce dense sync
 (bf16: the bucket allreduced as bfloat16; topk: each rank's top-k entries with error feedback
 allgathered and averaged), with the bytes each rank sends counted in the hook's state.
 """
@@ -330,9 +331,8 @@ WIRE_BACKWARD = ("none", "bf16")
 def wire(x: Tensor, forward: str = "none", backward: str = "none", stats: WireStats | None = None) -> Tensor:
     """`x` as the far side of a wire sees it: the forward value encoded with codec `forward`
     (none | bf16 | int8) and decoded, its gradient encoded with `backward` (none | bf16) on the way
-    back; the bytes both ways are added to `stats`. Where a layer would run on another process
-    (a group PS), this gives a run the numerics and byte counts of the compressed wire in one
-    process. int8 is not offered for gradients (see the module docstring)."""
+    back; the bytes both ways are added to `stats`: the numerics and byte counts of a compressed
+    wire in one process. int8 is not offered for gradients (see the module docstring)."""
     if forward not in WIRE_FORWARD:
         raise ValueError(f"wire forward codec must be one of {list(WIRE_FORWARD)}, got {forward!r}")
     if backward not in WIRE_BACKWARD:
