@@ -13,6 +13,7 @@ from hybridrec.models import build_model
 from hybridrec.ps import PSClient, serve
 from hybridrec.strategy.dense.elastic_sync import CENTRE_OPTIMIZER
 from hybridrec.strategy.dense.group_ps import GroupPS, Unit
+from hybridrec.strategy.operator_placement import CostModel, Device, plan_model
 from hybridrec.strategy.dense.net_transformation import (RemoteLink, placed_devices, plan_units, remote_model,
                                                          split_model, split_slices, unit_module)
 
@@ -23,17 +24,24 @@ DEVICES = ["trainer", "ps0", "ps1"]
 SGD = {"name": "sgd", "lr": 0.1, "weight_decay": 0.0}
 
 
-def _model():
+def _model(name="deepfm"):
     torch.manual_seed(0)
-    return build_model("deepfm", num_sparse=3, embedding_dim=4, num_dense=2, num_tasks=1, hidden=[8, 6])
+    hparams = {"hidden": [8, 6]} if name == "deepfm" else {}
+    return build_model(name, num_sparse=3, embedding_dim=4, num_dense=2, num_tasks=1, **hparams)
 
 
-def _inputs(batch=5, seed=1):
+def _inputs(batch=5, seed=1, wide=True):
     g = torch.Generator().manual_seed(seed)
     deep = torch.randn(batch, 3, 4, generator=g, requires_grad=True)
-    wide = torch.randn(batch, 3, generator=g, requires_grad=True)
+    wide = torch.randn(batch, 3, generator=g, requires_grad=True) if wide else None
     dense = torch.randn(batch, 2, generator=g)
     return deep, wide, dense
+
+
+def _planned(model) -> dict[str, list[str]]:
+    """The modules -> group PS of the operator placement's own plan for `model` on two group PSs."""
+    devices = tuple(Device(name, 1e10, 1e9, 2**30) for name in DEVICES)
+    return plan_model(model, CostModel(devices), batch_size=8, refine_seconds=0.5).modules
 
 
 class Remote:
@@ -79,27 +87,32 @@ def test_an_mlp_chain_on_one_group_ps_is_one_unit():
     assert sorted(u.name for u in units if u is not chain[0]) == ["head.output", "interaction", "linear"]
 
 
-@pytest.mark.parametrize("splits, modules", [
-    ([], MODULES),
-    ([{"module": "mlp.layers.0", "how": "vertical", "parts": 2}], {**MODULES, "mlp.layers.0": ["ps0", "ps1"]}),
-    ([{"module": "mlp.layers.2", "how": "horizontal", "parts": 2}], {**MODULES, "mlp.layers.2": ["ps1", "ps0"]}),
+@pytest.mark.parametrize("name, splits, modules", [
+    ("deepfm", [], MODULES),
+    ("deepfm", [{"module": "mlp.layers.0", "how": "vertical", "parts": 2}],
+     {**MODULES, "mlp.layers.0": ["ps0", "ps1"]}),
+    ("deepfm", [{"module": "mlp.layers.2", "how": "horizontal", "parts": 2}],
+     {**MODULES, "mlp.layers.2": ["ps1", "ps0"]}),
+    ("dlrm", [], None),  # the planner's own placement; the bottom MLP sees only dense features
 ])
-def test_the_remote_model_computes_and_trains_exactly_like_the_whole_model(splits, modules):
-    model = _model()
-    remote = Remote(model, modules, splits)
+def test_the_remote_model_computes_and_trains_exactly_like_the_whole_model(name, splits, modules):
+    model = _model(name)
+    remote = Remote(model, modules or _planned(model), splits)
     try:
         local = copy.deepcopy(model)
         optimizer = torch.optim.SGD(local.parameters(), lr=SGD["lr"])
         for step in range(3):
-            deep, wide, dense = _inputs(seed=step)
-            rdeep, rwide = deep.detach().clone().requires_grad_(), wide.detach().clone().requires_grad_()
+            deep, wide, dense = _inputs(seed=step, wide=model.needs_wide)
+            rdeep = deep.detach().clone().requires_grad_()
+            rwide = None if wide is None else wide.detach().clone().requires_grad_()
             out = local(deep, wide, dense)
             got = remote.module(rdeep, rwide, dense)
             torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-6)
             out.square().sum().backward()
             got.square().sum().backward()
             torch.testing.assert_close(rdeep.grad, deep.grad, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(rwide.grad, wide.grad, rtol=1e-5, atol=1e-6)
+            if wide is not None:
+                torch.testing.assert_close(rwide.grad, wide.grad, rtol=1e-5, atol=1e-6)
             optimizer.step()
             optimizer.zero_grad()
         # the group PSs applied the same SGD steps to their parameters (split parts: slices of the whole)

@@ -92,7 +92,9 @@ class GroupPS(Service):
                                        "bytes_sent", "staleness_sum", "staleness_max"), 0)
         self.params = {f"{unit.prefix}.{name}": p for unit in units for name, p in unit.module.named_parameters()}
         self.period, self.synced_at = period, 0
-        self.centre = PSClient(check_addresses(list(centre), "centre"), timeout=timeout, retries=retries) if centre else None
+        self.centre = None
+        if centre:
+            self.centre = PSClient(check_addresses(list(centre), "centre"), timeout=timeout, retries=retries)
         self.sync = None
         if self.centre is not None:
             self.sync = ElasticSync(self.params, self.centre, alpha, self._due, slices=slices)
@@ -188,12 +190,13 @@ class GroupPS(Service):
         with self._pending_lock:
             kept = self.pending.pop(key, None)
         if kept is None:
-            raise ValueError(f"backward of call {key[2]} of unit {key[1]} by caller {key[0]}: no forward of it is kept here (never sent, already "
-                             f"answered, or dropped after {MAX_PENDING} newer ones)")
+            raise ValueError(f"backward of call {key[2]} of unit {key[1]} by caller {key[0]}: no forward of it is "
+                             f"kept here (never sent, already answered, or dropped after {MAX_PENDING} newer ones)")
         grad = grads_in[0] if len(grads_in) == 1 else None
         if grad is None or tuple(grad.shape) != tuple(kept.output.shape):
             raise ValueError(f"unit {unit.name}: backward takes one gradient of the output's shape "
-                             f"{list(kept.output.shape)}, got {[None if g is None else list(g.shape) for g in grads_in]}")
+                             f"{list(kept.output.shape)}, got "
+                             f"{[None if g is None else list(g.shape) for g in grads_in]}")
         self._count(bytes_received=nbytes)
         needing = [x for x in kept.inputs if x is not None and x.requires_grad]
         grads = torch.autograd.grad(kept.output, needing + list(kept.aliases.values()), grad, allow_unused=True)
@@ -267,7 +270,8 @@ def start_group_ps(spec: str | Path, *, host: str = "127.0.0.1", env: Mapping[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridrec.strategy.dense.group_ps", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hybridrec.strategy.dense.group_ps",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--spec", required=True, help="the spec file the leader trainer wrote (write_spec)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

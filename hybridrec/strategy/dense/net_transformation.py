@@ -191,27 +191,31 @@ class RemoteLink:
 
 class _RemoteCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, link: RemoteLink, *inputs):
+    def forward(ctx, link: RemoteLink, anchor: torch.Tensor, *inputs):
         output, ctx.call = link.forward(list(inputs), train=True)
         ctx.link = link
         return output.to(next(x for x in inputs if x is not None).dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, *ctx.link.backward(ctx.call, grad.contiguous()))
+        return (None, None, *ctx.link.backward(ctx.call, grad.contiguous()))
 
 
 class RemoteUnit(nn.Module):
-    """Stands in the trainer's model for a unit that runs on a group PS."""
+    """Stands in the trainer's model for a unit that runs on a group PS. Its output needs a
+    gradient even when no input does (a bottom MLP fed by the dense features): the unit's
+    parameters learn from it. A tensor that needs a gradient (the anchor, not a parameter: the
+    trainer holds none) makes autograd call the backward."""
 
     def __init__(self, link: RemoteLink):
         super().__init__()
         self.link = link
+        self.anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, *inputs):
         if torch.is_grad_enabled():
             # autograd marks which inputs need gradients; the Function sees them detached
-            return _RemoteCall.apply(self.link, *inputs)
+            return _RemoteCall.apply(self.link, self.anchor, *inputs)
         output, _ = self.link.forward(list(inputs), train=False)
         return output
 
