@@ -212,7 +212,8 @@ def test_a_group_ps_answers_malformed_requests_with_an_error_and_keeps_serving()
 
 
 def test_two_groups_with_a_group_ps_each_converge_on_loopback(tmp_path):
-    result = launch_ht_job(tmp_path, {"groups": 2, "group_ps": 1, "alpha": 0.2, "period": 2, "wire_codec": "bf16"})
+    result = launch_ht_job(tmp_path, {"groups": 2, "group_ps": 1, "alpha": 0.2, "period": 2, "wire_codec": "bf16",
+                                     "plan": {"refine_seconds": 0.5}})
     assert result["dense_replicas"] == 2 and result["group_ps"] == 1 and result["wire_codec"] == "bf16"
     assert result["wire_bytes_per_step"] > 0 and result["elastic_syncs"] > 0
     assert result["auc"] > result["best_auc"] - LEARNT_GAP
