@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hybridrec-bench-ht-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        raw = run_variants(args, {**chosen, **coded}, root)
+        raw = run_variants(args, {**chosen, **coded}, root, label="bench ht")
         report = {name: summarize(raw[name], [loss_curve(root / f"{name}-run{i}") for i in range(args.runs)])
                   for name in chosen}
         report["codecs"] = {name.removeprefix("codec_"): summarize_codec(raw[name]) for name in coded}

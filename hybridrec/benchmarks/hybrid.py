@@ -149,9 +149,10 @@ def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_d
 
 
 def run_variants(args: argparse.Namespace, variants: dict[str, list[str]], root: Path,
-                 emulation=None) -> dict[str, list[dict]]:
+                 emulation=None, label: str = "bench hybrid") -> dict[str, list[dict]]:
     """Every variant `--runs` times per seed, interleaved (seed, run, then variant: the i-th jobs of
-    the variants pair up); the per-job metrics of each variant, each with its `seed`."""
+    the variants pair up); the per-job metrics of each variant, each with its `seed`. Progress
+    lines on stderr start with `[label]`."""
     results: dict[str, list[dict]] = {name: [] for name in variants}
     seeds = args.seeds or [None]
     for seed in seeds:
@@ -163,7 +164,7 @@ def run_variants(args: argparse.Namespace, variants: dict[str, list[str]], root:
                 metrics["seed"] = seed
                 results[name].append(metrics)
                 where = "" if seed is None else f"seed {seed} "
-                print(f"[bench hybrid] {name} {where}run {run + 1}/{args.runs}: auc {_fmt(metrics.get('auc'), 5)} "
+                print(f"[{label}] {name} {where}run {run + 1}/{args.runs}: auc {_fmt(metrics.get('auc'), 5)} "
                       f"samples/s {_fmt(metrics.get('train_samples_per_s'), 0)} "
                       f"bytes/sample {_fmt(metrics.get('bytes_per_sample'), 0)}", file=sys.stderr, flush=True)
     return results
