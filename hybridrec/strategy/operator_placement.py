@@ -673,8 +673,12 @@ def plan_for_config(cfg, group_ps: int | None = None) -> Plan:
 def write_plan(cfg, directory: str | Path, group_ps: int | None = None) -> Path:
     """Plan the job's dense model (see `plan_for_config`) and save it as `directory`/plan.json
     (returns the path); PlanError (a UserError) when the plan cannot meet a device's memory limit."""
-    plan = plan_for_config(cfg, group_ps)
+    return save_plan(plan_for_config(cfg, group_ps).to_json(), directory)
+
+
+def save_plan(plan: dict, directory: str | Path) -> Path:
+    """Write a plan's JSON form as `directory`/plan.json; returns the path."""
     path = Path(directory) / PLAN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+    path.write_text(json.dumps(plan, indent=1) + "\n")
     return path

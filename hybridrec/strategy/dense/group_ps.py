@@ -8,7 +8,7 @@ copy. Operations, over the job's authenticated transport:
 
   forward   a trainer sends a unit's inputs (packed by the wire codec's forward half); the unit
             runs on them and the output goes back the same way. With `train: true` the autograd
-            graph is kept under (caller, call) until its backward arrives.
+            graph is kept under (caller, unit, call) until its backward arrives.
   backward  the gradient of that output arrives (the codec's backward half); autograd runs the
             kept graph, the unit's optimizer applies the parameter gradients at once, and the
             gradients of the inputs that need one go back.
@@ -22,8 +22,9 @@ unit's optimizer step is serialised (its state tensors are not made for concurre
 dense staleness of a backward is the number of updates of its unit since its forward.
 
 A background thread pulls this process's parameters toward the centre by elastic averaging
-(hybridrec.strategy.dense.elastic_sync) every `period` updates. The process exits when its
-parent trainer does.
+(hybridrec.strategy.dense.elastic_sync) every `period` updates; a part of a split FC layer
+syncs with its slice of the unsplit parameter (`slices`). The process exits when its parent
+trainer does.
 """
 from __future__ import annotations
 
@@ -102,7 +103,6 @@ class GroupPS(Service):
             "ping": Operation(self._ping),
             "forward": Operation(self._forward, arrays=None),
             "backward": Operation(self._backward, arrays=None),
-            "pull": Operation(self._pull),
             "finish": Operation(self._finish),
             "stats": Operation(self._stats),
             "shutdown": Operation(self._shutdown),
@@ -220,9 +220,6 @@ class GroupPS(Service):
                                     [None if g is None else g.detach() for g in back], "in")
         self._count(bytes_sent=meta["bytes"])
         return Message("backward", arrays, {"grads": meta, "staleness": staleness})
-
-    def _pull(self, request: Message) -> Message:
-        return Message("pull", {name: p.detach().numpy().copy() for name, p in self.params.items()})
 
     def _finish(self, request: Message) -> Message:
         if self.sync is not None:

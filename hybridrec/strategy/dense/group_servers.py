@@ -14,7 +14,6 @@ of their own are not placed by the launchers yet.
 """
 from __future__ import annotations
 
-import json
 import secrets
 import socket
 import subprocess
@@ -28,9 +27,25 @@ from hybridrec.config import ConfigError
 from hybridrec.strategy.dense.group_ps import Unit, start_group_ps, write_spec
 from hybridrec.strategy.dense.net_transformation import (RemoteLink, placed_devices, plan_units, remote_model,
                                                          split_model, split_slices, unit_module)
-from hybridrec.strategy.operator_placement import PLAN_FILE, plan_for_config
+from hybridrec.strategy.operator_placement import PlanError, plan_for_config, save_plan
 
 SHUTDOWN_SECONDS = 15.0
+
+
+def leader_plan(cfg, world) -> dict:
+    """The leader's plan of the job's dense model (saved with the run), on every trainer; a
+    PlanError on every trainer when the plan cannot meet a device's memory."""
+    plan, error = None, None
+    if world.leader:
+        try:
+            plan = plan_for_config(cfg).to_json()
+            save_plan(plan, cfg.train.output_dir)
+        except PlanError as failure:
+            error = str(failure)
+    plan, error = world.broadcast((plan, error))
+    if error is not None:
+        raise PlanError(error)
+    return plan
 
 
 class GroupServers:
@@ -39,7 +54,7 @@ class GroupServers:
     def __init__(self, model: torch.nn.Module, cfg, world, group: int, member: int, trainers_per_group: int,
                  centre_addresses: list[str]):
         ht, strategy = cfg.strategy.ht, cfg.strategy
-        self.world, self.member, self.cfg = world, member, cfg
+        self.world, self.member, self.cfg, self.trainers_per_group = world, member, cfg, trainers_per_group
         self.processes: list[subprocess.Popen] = []
         self.clients: list[Client] = []
         self.counts: list[dict] = []
@@ -50,11 +65,7 @@ class GroupServers:
             raise ConfigError(f"strategy.ht.group_ps {ht.group_ps}: a group's group PSs run on its first trainer's "
                               f"host, but the trainers of group(s) {spread} run on several hosts; place each group "
                               "on one host")
-        plan = world.broadcast(plan_for_config(cfg).to_json() if world.leader else None)
-        if world.leader:
-            path = Path(cfg.train.output_dir) / PLAN_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(plan, indent=1) + "\n")
+        plan = leader_plan(cfg, world)
         self.plan, self.codec = plan, ht.wire_codec
         self.split = split_model(model, plan["splits"])
         units = plan_units(self.split, placed_devices(plan["modules"], plan["splits"], plan["devices"]))
@@ -88,7 +99,7 @@ class GroupServers:
 
     def trainers_threads(self) -> int:
         """Handler threads of a group PS: one per trainer of its group (Hogwild between them)."""
-        return max(2, self.world.size // self.cfg.strategy.ht.groups)
+        return max(2, self.trainers_per_group)
 
     def finish(self) -> None:
         """The group PSs' last elastic sync (the first trainer asks; every trainer then waits)."""
