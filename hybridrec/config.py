@@ -235,11 +235,27 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     output_dir: str = "runs/default"
-    threads: int = Field(1, ge=1, le=256)
+    threads: Union[int, Literal["auto"]] = Field("auto", description="CPU threads of this process: torch's "
+                                                   "intra-op threads, and the embedding pipeline's when it runs; "
+                                                   "auto = the CPUs this process may use for a one-process job, "
+                                                   "1 per trainer otherwise (see hybridrec/train/threads.py)")
+    pipeline: Union[bool, Literal["auto"]] = Field("auto", description="the pipelined local step: the next "
+                                                   "batch's embedding lookup on its own thread beside the dense "
+                                                   "step, exact; auto = on with the local placement and threads "
+                                                   ">= 2")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="the dense part's arithmetic: bf16 = torch "
+                                               "autocast (CPU: bfloat16 matmuls), parameters stay fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="dense part's device; auto = cuda when available")
     deterministic: bool = True
     progress: bool = True
     tensorboard: bool = False
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v):
+        if not isinstance(v, str) and not 1 <= v <= 256:
+            raise ValueError(f"train.threads is {v}; allowed: an integer 1..256 or 'auto'")
+        return v
 
 
 _AXES = ("placement", "consistency", "dense", "id_codec", "value_codec")

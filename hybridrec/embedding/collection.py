@@ -203,21 +203,47 @@ class _FusedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         grads = [None if g is None else g.detach().to("cpu", torch.float32).contiguous().numpy() for g in grads]
-        if isinstance(ctx.passes, _GroupPass):
-            ctx.passes.backward(grads[0])
-            ctx.passes = None
-            return (None, None) + (None,) * len(grads)
-        for tp in ctx.passes:
-            ugrad = np.zeros((tp.lookup.num_unique, tp.store.dim), np.float32)
-            used = False
-            for group, column, offsets in tp.features:
-                if grads[group] is not None:
-                    tp.store.pooled_grad(tp.lookup, offsets, grads[group], ugrad, column=column)
-                    used = True
-            if used:
-                tp.store.apply(tp.lookup, ugrad)
+        if isinstance(ctx.passes, LookedAhead):
+            ctx.passes.grads = grads  # applied later, by `EmbeddingCollection.apply_ahead`
+        else:
+            _apply_passes(ctx.passes, grads)
         ctx.passes = None
         return (None, None) + (None,) * len(grads)
+
+
+def _apply_passes(passes, grads: list) -> None:
+    """The stores' optimizer steps for the gradients of one lookup's pooled outputs."""
+    if isinstance(passes, _GroupPass):
+        passes.backward(grads[0])
+        return
+    for tp in passes:
+        ugrad = np.zeros((tp.lookup.num_unique, tp.store.dim), np.float32)
+        used = False
+        for group, column, offsets in tp.features:
+            if grads[group] is not None:
+                tp.store.pooled_grad(tp.lookup, offsets, grads[group], ugrad, column=column)
+                used = True
+        if used:
+            tp.store.apply(tp.lookup, ugrad)
+
+
+@dataclasses.dataclass
+class LookedAhead:
+    """A training batch's rows, looked up (keys inserted, outputs pooled) ahead of its step by
+    `EmbeddingCollection.look_ahead`. The tensor `attach` makes records its gradient here in
+    backward, and `apply_ahead` applies it later, so the lookup and the update may run on another
+    thread than the dense step."""
+
+    passes: object  # the _GroupPass, or the _TablePass of each table
+    outputs: list  # pooled numpy arrays, one per group of features
+    grads: list | None = None  # set by backward, taken by apply_ahead
+
+    @property
+    def unique_rows(self) -> int:
+        """Distinct rows the batch reads, over its tables."""
+        if isinstance(self.passes, _GroupPass):
+            return int(self.passes.nuniq.sum())
+        return sum(tp.lookup.num_unique for tp in self.passes)
 
 
 class EmbeddingCollection(torch.nn.Module):
@@ -330,13 +356,22 @@ class EmbeddingCollection(torch.nn.Module):
 
     def _run(self, features, groups: tuple):
         """groups: tuple of feature-name tuples, one output Tensor[B, len(g), dim] per group."""
+        train = self.training and torch.is_grad_enabled()
+        passes, outputs = self._lookup(features, groups, train)
+        if not train:
+            return [torch.from_numpy(o) for o in outputs]
+        result = _FusedEmbeddingFunction.apply(self._anchor, passes, *outputs)
+        return list(result) if isinstance(result, tuple) else [result]
+
+    def _lookup(self, features, groups: tuple, train: bool):
+        """(passes, pooled numpy outputs, one per group) of a batch; with `train`, new keys are
+        inserted and the passes are what the update needs."""
         names = groups[0] if len(groups) == 1 else tuple(n for g in groups for n in g)
         bsz, positions = self._positions(features, names)
-        train = self.training and torch.is_grad_enabled()
         group = self._group_for(names) if len(groups) == 1 and bsz > 0 else None
         if group is not None:
             out, gpass = group.forward(features, positions, bsz, self.dims[names[0]], train)
-            return [_FusedEmbeddingFunction.apply(self._anchor, gpass, out) if train else torch.from_numpy(out)]
+            return gpass, [out]
         offsets = features.offsets
         where = {n: offsets[f * bsz:(f + 1) * bsz + 1] for n, f in zip(names, positions.tolist())}
         outputs = [aligned_empty((bsz, len(g), self.dims[g[0]]), np.float32, CACHE_LINE) for g in groups]
@@ -365,10 +400,7 @@ class EmbeddingCollection(torch.nn.Module):
                 store.pool(lookup, offs, outputs[gi], column=ci)
                 feats_info.append((gi, ci, offs))
             passes.append(_TablePass(store, lookup, feats_info))
-        if not train:
-            return [torch.from_numpy(o) for o in outputs]
-        result = _FusedEmbeddingFunction.apply(self._anchor, passes, *outputs)
-        return list(result) if isinstance(result, tuple) else [result]
+        return passes, outputs
 
     def forward(self, features) -> dict[str, torch.Tensor]:
         tensors = self._run(features, self._dim_groups)
@@ -380,8 +412,12 @@ class EmbeddingCollection(torch.nn.Module):
 
     def forward_stacked(self, features, names: list[str] | None = None) -> torch.Tensor:
         """Tensor[B, F, dim] of the named features (default: all), which must share one dim."""
+        return self._run(features, self._stacked(names))[0]
+
+    def _stacked(self, names: list[str] | None) -> tuple:
+        """The one group of features `forward_stacked` outputs."""
         if names is None and len(self._dim_groups) == 1:
-            return self._run(features, self._dim_groups)[0]
+            return self._dim_groups
         names = tuple(self.feature_names if names is None else names)
         for n in names:
             if n not in self.dims:
@@ -389,7 +425,52 @@ class EmbeddingCollection(torch.nn.Module):
         dims = {self.dims[n] for n in names}
         if len(dims) != 1:
             raise ValueError(f"forward_stacked: features have different dims {sorted(dims)}; use forward()")
-        return self._run(features, (names,))[0]
+        return (names,)
+
+    # ---------------------------------------------------------------- a step in two threads
+    def look_ahead(self, features, names: list[str] | None = None) -> LookedAhead:
+        """forward_stacked's training lookup (keys inserted, outputs pooled) without the autograd
+        node, which `attach` makes later, possibly in another thread."""
+        return LookedAhead(*self._lookup(features, self._stacked(names), True))
+
+    def attach(self, ahead: LookedAhead) -> torch.Tensor:
+        """The Tensor[B, F, dim] of a looked-ahead batch, inside autograd; its backward records the
+        gradient in `ahead` for `apply_ahead` and changes no row."""
+        return _FusedEmbeddingFunction.apply(self._anchor, ahead, *ahead.outputs)
+
+    def apply_ahead(self, ahead: LookedAhead) -> bool:
+        """The optimizer steps of the gradient backward recorded in `ahead` (False: there was none,
+        the batch was not trained)."""
+        grads, ahead.grads = ahead.grads, None
+        if grads is None:
+            return False
+        _apply_passes(ahead.passes, grads)
+        return True
+
+    def refresh(self, ahead: LookedAhead, previous: LookedAhead) -> tuple[int, int]:
+        """Make `ahead`'s outputs what a lookup after `previous`'s update would have pooled, when
+        `ahead` was looked up before that update was applied: the samples holding a row of both
+        batches are pooled again. Returns (rows of both batches, samples pooled again); without
+        the one-call path every sample is pooled again."""
+        cur, prev = ahead.passes, previous.passes
+        if isinstance(cur, _GroupPass):
+            if not (isinstance(prev, _GroupPass) and prev.group is cur.group):
+                prev = cur  # the tables' rows of another path: every sample holding a row is pooled again
+            g = cur.group
+            counts = np.zeros((2, len(g.stores)), np.int64)
+            with g.lock:
+                row_ids = g._scratch("out_rows", cur.inverse.shape, np.int32)
+                GK.repool_updated(prev.uniq_rows, prev.spans, prev.nuniq, cur.inverse, cur.uniq_rows, cur.spans,
+                                  cur.nuniq, cur.offsets, cur.bsz, g.arrays.table, g.icfg, g.pool_modes, row_ids,
+                                  ahead.outputs[0], counts)
+            return int(counts[0].sum()), int(counts[1].sum())
+        rows = samples = 0
+        for tp in cur:
+            for group, column, offsets in tp.features:
+                tp.store.pool(tp.lookup, offsets, ahead.outputs[group], column=column)
+                samples += len(offsets) - 1
+            rows += tp.lookup.num_unique
+        return rows, samples
 
     # ---------------------------------------------------------------- persistence helpers
     def replace_store(self, table: str, store: EmbeddingStore) -> None:

@@ -139,3 +139,58 @@ def backward_tables(grad, inverse, spans, sample_offsets, batch_size, tables, un
         scalars[K.SC_DROPPED] += dropped[t]
         scalars[K.SC_DIRTY] = 0
     return True
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def repool_updated(prev_uniq_rows, prev_spans, prev_nuniq, inverse, uniq_rows, spans, nuniq, sample_offsets,
+                   batch_size, tables, icfg, pool_modes, row_ids, out, counts):
+    """Re-pool the samples of a batch looked up before the previous batch's update was applied
+    whose rows that update changed, so `out` holds what a lookup after the update would give.
+
+    The previous batch's unique rows are the candidates; a row is also this batch's when its
+    metadata slot (this batch's lookup wrote it) names a unique position of this batch holding
+    that very row. Every sample of table t with such a row is pooled again from the rows as they
+    are now. `row_ids` (one per key) is scratch. counts[0, t]: rows shared by the two batches;
+    counts[1, t]: samples re-pooled."""
+    ntab = spans.shape[1]
+    for tp in prange(ntab):
+        t = np.int64(tp)
+        lo = spans[SPAN_LO, t]
+        hi = spans[SPAN_HI, t]
+        n = nuniq[t]
+        slot_col = icfg[t, K.IC_META] + K.M_SLOT
+        r32 = meta_of(tables, t)
+        changed = np.zeros(n, np.bool_)
+        shared = 0
+        plo = prev_spans[SPAN_LO, t]
+        for u in range(plo, plo + prev_nuniq[t]):
+            r = prev_uniq_rows[u]
+            if r < 0:
+                continue
+            s = r32[r, slot_col]
+            if lo <= s < lo + n and uniq_rows[s] == r:
+                changed[s - lo] = True
+                shared += 1
+        counts[0, t] = shared
+        counts[1, t] = 0
+        if shared == 0:
+            continue
+        for i in range(lo, hi):  # each key's row, as the lookup's pooling read it
+            u = inverse[i]
+            row_ids[i] = uniq_rows[u] if u >= 0 else -1
+        rows = rows_of(tables, t)
+        base = spans[SPAN_BASE, t]
+        repooled = 0
+        for b in range(batch_size):
+            start = sample_offsets[base + b]
+            end = sample_offsets[base + b + 1]
+            hit = False
+            for i in range(start, end):
+                u = inverse[i]
+                if u >= 0 and changed[u - lo]:
+                    hit = True
+                    break
+            if hit:
+                K.gather_pool(rows, row_ids, sample_offsets[base + b:base + b + 2], pool_modes[t], out[b:b + 1], t)
+                repooled += 1
+        counts[1, t] = repooled

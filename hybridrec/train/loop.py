@@ -30,7 +30,9 @@ from hybridrec.train.checkpoint import (CheckpointError, checkpoint_root, comple
                                         save_checkpoint)
 from hybridrec.metrics import MetricAccumulator
 from hybridrec.train.best import BestKeeper
+from hybridrec.train.local_pipeline import LocalPipeline
 from hybridrec.train.reporting import Reporter, json_text
+from hybridrec.train.threads import ThreadSplit, thread_split
 
 
 def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
@@ -93,7 +95,14 @@ def reading_world(placement, world: World) -> World:
     return _Alone() if getattr(placement, "whole_batches", False) else world
 
 
-def forward_backward(placement, dense, ready, loss_fn, device):
+def dense_precision(precision: str, device: torch.device):
+    """The context the dense forward runs in: torch autocast to bfloat16 for `bf16`, else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_backward(placement, dense, ready, loss_fn, device, precision: str = "fp32"):
     """(inputs, logits, loss) of a step's forward and backward passes. A placement that offers
     `micro_batches(looked, batch)` (PICASSO's D-interleaving) may cut the batch into parts: one
     pass per part, each part's loss weighted by its share of the rows and the dense gradients
@@ -104,7 +113,8 @@ def forward_backward(placement, dense, ready, loss_fn, device):
     parts = split(ready.looked, batch) if split is not None else [(ready.looked, batch)]
     if len(parts) == 1:
         inputs = placement.inputs(parts[0][0], batch, requires_grad=True)
-        logits = logits_of(dense.module, inputs, batch, device)
+        with dense_precision(precision, device):
+            logits = logits_of(dense.module, inputs, batch, device).float()
         loss = loss_fn(logits, torch.from_numpy(batch.labels).to(device))
         loss.backward()
         return inputs, logits, loss
@@ -113,7 +123,8 @@ def forward_backward(placement, dense, ready, loss_fn, device):
         last = index + 1 == len(parts)
         with contextlib.nullcontext() if last else getattr(dense.module, "no_sync", contextlib.nullcontext)():
             inputs = placement.inputs(looked, part, requires_grad=True)
-            logits = logits_of(dense.module, inputs, part, device)
+            with dense_precision(precision, device):
+                logits = logits_of(dense.module, inputs, part, device).float()
             loss = loss_fn(logits, torch.from_numpy(part.labels).to(device))
             (loss * (part.batch_size / batch.batch_size)).backward()
         outputs.append(logits.detach())
@@ -254,6 +265,16 @@ def _due(every: int | None, step: int) -> bool:
     return bool(every) and step % every == 0
 
 
+def open_stream(strategy, placement, split: ThreadSplit, batches, skip: int, limit: int | None, prefetch: int,
+                pause):
+    """The stream of ready batches of an epoch: the pipelined local step's (`split.pipelined`), else
+    the consistency's over the placement. `pause(k)`: the k-th batch of the stream is followed by
+    an evaluation or a checkpoint."""
+    if split.pipelined:
+        return LocalPipeline(placement, batches, skip, limit, prefetch, pause, split.embedding)
+    return strategy.consistency.open(placement, batches, skip, limit, prefetch)
+
+
 def _total_steps(cfg: JobConfig, sources, world: World) -> int | None:
     """Steps the run will take, for the progress bar (None when the data's size is unknown)."""
     by_data = (cfg.train.epochs * -(-sources.train_rows // (cfg.data.batch_size * world.size))
@@ -270,7 +291,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     latest one and ends exactly as an uninterrupted run would. `on_step(step, model)` is called
     after every training step."""
     world = World.current()
-    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
+    split = thread_split(cfg.train, cfg.strategy.resolved["placement"])
+    seed_everything(cfg.seed, split.dense, cfg.train.deterministic)
     tables = job_tables(cfg)
     strategy = build_strategy(cfg, tables, world, endpoints)
     placement, dense = strategy.placement, None
@@ -291,7 +313,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
         if not lockstep and world.leader and (cfg.train.eval_every or cfg.train.checkpoint_every):
             print(f"trainer: dense {strategy.axes['dense']}: train.eval_every / train.checkpoint_every are not used; "
                   "evaluation and checkpoint happen at the end", flush=True)
-        seconds, samples, staleness = 0.0, 0, []
+        seconds, samples, staleness, pipeline = 0.0, 0, [], {}
         wire = dict.fromkeys(("bytes_sent", "bytes_received", "lost_batches", "dropped_updates",
                               "unacknowledged_updates"), 0)
         reporter = contextlib.nullcontext()
@@ -308,7 +330,10 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     break
                 skip = progress["next_batch"] if epoch == progress["epoch"] else 0
                 remaining = None if max_steps is None else max_steps - progress["step"]
-                stream = strategy.consistency.open(placement, sources.train, skip, remaining, cfg.data.prefetch)
+                base = progress["step"]
+                stream = open_stream(strategy, placement, split, sources.train, skip, remaining, cfg.data.prefetch,
+                                     lambda k: lockstep and (_due(cfg.train.eval_every, base + k)
+                                                             or _due(cfg.train.checkpoint_every, base + k)))
                 try:
                     batches, tick = iter(stream), time.perf_counter()
                     while True:
@@ -321,7 +346,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                         batch = ready.batch
                         dense.begin_step()
                         # the local placement applies its embedding updates in backward
-                        inputs, logits, loss = forward_backward(placement, dense, ready, loss_fn, device)
+                        inputs, logits, loss = forward_backward(placement, dense, ready, loss_fn, device,
+                                                                cfg.train.precision)
                         step = progress["step"] + 1
                         evaluate_now = lockstep and _due(cfg.train.eval_every, step)
                         save_now = lockstep and _due(cfg.train.checkpoint_every, step)
@@ -362,6 +388,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     for key, value in stream.stats().items():
                         if key in wire:
                             wire[key] += value
+                    for key, value in getattr(stream, "figures", {}).items():
+                        pipeline[key] = pipeline.get(key, 0) + value
                 if not done:
                     progress.update(epoch=epoch + 1, next_batch=0)
             if progress["step"] == 0:
@@ -375,6 +403,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             metrics = evaluate(model, placement, sources.test, sources.label_names, world)
             result = {**metrics, **_run_facts(cfg, world, progress, seconds, samples, staleness, wire, readers),
                       "best_auc": sources.best_auc, "bad_rows": sources.bad_rows(), **placement.facts(),
+                      "threads": {"dense": split.dense, "embedding": split.embedding},
+                      **({"pipeline": pipeline} if pipeline else {}),
                       **dense.facts(world),
                       **strategy.consistency.facts(world),
                       **({} if best is None else {"best_valid": best.record})}
@@ -455,7 +485,8 @@ def evaluate_checkpoint(cfg: JobConfig | None, checkpoint, config_name: str = "t
     """Test metrics of a saved checkpoint of a local run, with the config saved in it, or `cfg`
     when that agrees with it on the model's shape."""
     cfg = config_for_checkpoint(checkpoint_directory(checkpoint), cfg, config_name)
-    seed_everything(cfg.seed, cfg.train.threads, cfg.train.deterministic)
+    seed_everything(cfg.seed, thread_split(cfg.train, cfg.strategy.resolved["placement"]).dense,
+                    cfg.train.deterministic)
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     model, placement, progress = load_local(cfg, checkpoint)
     return {**evaluate(model, placement, sources.test, sources.label_names, World()), "step": progress["step"],

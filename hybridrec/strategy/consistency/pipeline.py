@@ -35,6 +35,17 @@ def update_counts(reply: dict) -> tuple[int, int, int]:
     return int(bool(reply.get("lost"))), int(reply.get("dropped", 0)), int(bool(reply.get("unacknowledged")))
 
 
+def wait_for_updates(cond: threading.Condition, done: Callable[[], bool], stop: threading.Event,
+                     timeout: float | None, raise_if_failed: Callable[[], None], state: str) -> None:
+    """A stream's `drain`: wait under `cond` until `done()` (every update in flight is through) or
+    the stream stopped; then raise the stream's failure if any, or TimeoutError after `timeout`."""
+    with cond:
+        ok = cond.wait_for(lambda: done() or stop.is_set(), timeout)
+    raise_if_failed()
+    if not ok:
+        raise TimeoutError(f"embedding updates still {state} after {timeout}s")
+
+
 @dataclass
 class ReadyBatch:
     """A batch with its embeddings, as the dense step gets it."""
@@ -174,11 +185,8 @@ class EmbeddingPipeline:
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every queued update was acknowledged by the PS."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._acked >= self._handed or self._stop.is_set(), timeout)
-        self._raise_if_failed()
-        if not ok:
-            raise TimeoutError(f"embedding updates still unacknowledged after {timeout}s")
+        wait_for_updates(self._cond, lambda: self._acked >= self._handed, self._stop, timeout, self._raise_if_failed,
+                         "unacknowledged")
 
     @contextmanager
     def held(self) -> Iterator[None]:

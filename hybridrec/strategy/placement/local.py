@@ -4,6 +4,11 @@ The lookup is the collections' fused native call (dedupe, probe, pool for all ta
 inside the forward pass, and the update is applied inside backward (optimizer-in-backward), so a
 connection has nothing to do before or after the step. One trainer only: tables in the process
 are not shared with other processes.
+
+The pipelined local step (hybridrec/train/local_pipeline.py) splits that step in two: `look_ahead`
+looks a batch up (keys inserted, outputs pooled) on the pipeline's thread, `inputs` makes the
+dense model's tensors of it, whose backward records the gradients, `apply_ahead` applies them on
+the pipeline's thread, and `refresh` re-pools what a batch looked up before that update read.
 """
 from __future__ import annotations
 
@@ -51,12 +56,31 @@ class LocalPlacement:
         return _InProcess()
 
     def inputs(self, looked, batch, requires_grad: bool) -> EmbeddingInputs:
-        out = {}
-        for side, collection in self.collections.items():
-            collection.train(requires_grad)  # a lookup outside training neither inserts nor updates
-            out[side] = collection.forward_stacked(batch.sparse, self.names)
+        if isinstance(looked, dict):  # looked up ahead: {side: LookedAhead}
+            out = {side: self.collections[side].attach(ahead) for side, ahead in looked.items()}
+        else:
+            out = {}
+            for side, collection in self.collections.items():
+                collection.train(requires_grad)  # a lookup outside training neither inserts nor updates
+                out[side] = collection.forward_stacked(batch.sparse, self.names)
         wide = out.get("wide")
         return EmbeddingInputs(out.get("deep"), None if wide is None else wide.squeeze(-1))
+
+    def look_ahead(self, batch) -> dict:
+        """{side: LookedAhead}: a training batch's lookup, ahead of its step (any thread)."""
+        return {side: collection.look_ahead(batch.sparse, self.names) for side, collection in self.collections.items()}
+
+    def apply_ahead(self, looked: dict) -> bool:
+        """The update of a looked-ahead batch its backward recorded (False: it was not trained)."""
+        applied = [self.collections[side].apply_ahead(ahead) for side, ahead in looked.items()]
+        return any(applied)
+
+    def refresh(self, looked: dict, previous: dict) -> tuple[int, int, int]:
+        """Re-pools what `looked` read of the rows `previous`'s update changed after the lookup;
+        (rows of both batches, samples pooled again, rows `looked` reads), over the sides."""
+        counts = [self.collections[side].refresh(ahead, previous[side]) + (ahead.unique_rows,)
+                  for side, ahead in looked.items()]
+        return tuple(sum(c[i] for c in counts) for i in range(3))
 
     def _directories(self, root: Path):
         for side, collection in self.collections.items():

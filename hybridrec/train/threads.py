@@ -1,0 +1,48 @@
+"""How a training process splits its CPU threads between the dense part (torch's intra-op threads)
+and the embedding pipeline of the pipelined local step (`train.threads`, `train.pipeline`).
+
+`threads: auto` is every CPU this process may use for a one-process job (the local placement),
+and 1 per trainer for a job of several processes, which share the machine with each other and
+with PS servers. The pipelined step runs when `pipeline` is true, or, with `auto`, when the
+placement is local and there are at least 2 threads. Its thread then does all embedding work
+with `embedding` numba threads (1), and torch keeps `dense` = all `threads` for its own: the
+embedding thread's work fits in the time the dense part leaves the CPU idle between its
+operators, and taking a core away from torch costs the dense step more than it gains
+(docs/benchmarks.md, bench e2e).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hybridrec.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ThreadSplit:
+    total: int  # train.threads as resolved
+    dense: int  # torch intra-op threads
+    embedding: int  # numba threads of the embedding pipeline's kernels (0: no pipeline)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.embedding > 0
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_split(train, placement: str) -> ThreadSplit:
+    """The split for the train section `train` of a job whose strategy places embeddings `placement`."""
+    local = placement == "local"
+    total = (available_cpus() if local else 1) if train.threads == "auto" else train.threads
+    pipelined = train.pipeline if train.pipeline != "auto" else local and total >= 2
+    if pipelined and not local:
+        raise ConfigError(f"train.pipeline is true, but strategy.placement is {placement!r}: the pipelined step is "
+                          f"the local placement's (allowed: true with placement local; auto or false otherwise)")
+    return ThreadSplit(total, total, 1 if pipelined else 0)
