@@ -10,34 +10,12 @@ Same workload, timing and report as `bench e2e` (`--json`: one JSON line with
 """
 from __future__ import annotations
 
-import torch
-
 from hybridrec.benchmarks import e2e
-from hybridrec.benchmarks.peers import SYSTEM_CLASSES, SystemBase
-from hybridrec.benchmarks.workload import WorkloadShape, parse_benchmark_arguments
+from hybridrec.benchmarks.e2e import FixedEmbeddings
+from hybridrec.benchmarks.peers import SYSTEM_CLASSES
+from hybridrec.benchmarks.workload import parse_benchmark_arguments
 
 DEFAULT_SYSTEMS = ("hybridrec", "torchrec")
-
-
-class FixedEmbeddings(SystemBase):
-    """An 'embedding system' that costs nothing: the same leaf tensor every step."""
-
-    name = "dense_only"
-
-    def __init__(self, shape: WorkloadShape) -> None:
-        super().__init__(shape)
-        self.table = torch.randn(shape.batch_size, shape.fields, shape.dim,
-                                 generator=torch.Generator().manual_seed(shape.seed),
-                                 requires_grad=True)
-
-    def prepare(self, batch) -> None:
-        return None
-
-    def pooled(self, prepared) -> torch.Tensor:
-        return self.table
-
-    def step(self) -> None:
-        self.table.grad = None
 
 
 def main(argv: list[str] | None = None) -> dict:
