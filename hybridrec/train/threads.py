@@ -5,10 +5,9 @@ and the embedding pipeline of the pipelined local step (`train.threads`, `train.
 and 1 per trainer for a job of several processes, which share the machine with each other and
 with PS servers. The pipelined step runs when `pipeline` is true, or, with `auto`, when the
 placement is local and there are at least 2 threads. Its thread then does all embedding work
-with `embedding` numba threads (1), and torch keeps `dense` = all `threads` for its own: the
-embedding thread's work fits in the time the dense part leaves the CPU idle between its
-operators, and taking a core away from torch costs the dense step more than it gains
-(docs/benchmarks.md, bench e2e).
+with `embedding` numba threads (1), and torch keeps `dense` = all `threads` for its own, so the
+dense step, the critical path, runs on as many threads as without the pipeline; the embedding
+thread shares the cores with it.
 """
 from __future__ import annotations
 
