@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import PrefetchLoader, put_unless_stopped
+from hybridrec.errors import UserError
 from hybridrec.strategy.consistency.pipeline import ReadyBatch, wait_for_updates
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
@@ -83,8 +84,10 @@ class LocalPipeline:
         except _Stopped:
             pass
         except BaseException as error:  # handed to the training thread at its next call
-            self._raise_as_is = isinstance(error, _ReadFailed)
-            self._error = error.error if self._raise_as_is else error
+            # the data's errors and the user's (a batch too big for a table) are raised as they
+            # are, as the plain step raises them; anything else is the pipeline's failure
+            self._raise_as_is = isinstance(error, (_ReadFailed, UserError))
+            self._error = error.error if isinstance(error, _ReadFailed) else error
             self._stop.set()
             with self._cond:
                 self._cond.notify_all()
