@@ -140,19 +140,15 @@ def test_memory_per_row_stays_within_budget_at_full_capacity():
 
 
 def _resident_bytes_of(array: np.ndarray) -> int:
-    """Bytes of the memory mappings under `array` that are backed by RAM (from /proc/self/smaps;
-    numpy's huge-page advice may split one allocation into several mappings)."""
-    low_end, high_end = array.ctypes.data, array.ctypes.data + array.nbytes
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < high_end and low_end < high
-            elif inside and head == "Rss:":
-                resident += int(line.split()[1]) * 1024
-    return resident
+    """Bytes of `array`'s pages that are backed by RAM, from /proc/self/pagemap (bit 63 of a
+    page's entry: present). Only the array's own pages count, whatever mapping holds them: the
+    kernel may merge an allocation's mapping with its neighbours."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = array.ctypes.data // page, (array.ctypes.data + array.nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
 
 
 @pytest.mark.parametrize("shm", [False, True])
