@@ -200,9 +200,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def gloo_results():
     """{codec: [(rank, averaged gradient sum, mean residual, bytes sent, raw bytes, steps)] * 2}
-    from two forked processes running DDP with each hook (one process group for both, so the
-    test pays for one start-up)."""
-    ctx = mp.get_context("fork")
+    from two processes running DDP with each hook (one process group for both, so the test pays
+    for one start-up). Spawned, not forked: a fork inherits whatever the test process's thread
+    pools (torch's, numba's) hold at that moment, and a child can hang on it."""
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, out), daemon=True) for rank in range(2)]
