@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridrec.benchmarks.hybrid import JobFailed, run_job as launch_job
+from hybridrec.benchmarks.hybrid import JobFailed, check_config_and_plot, run_job as launch_job
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/het_synthetic.yaml"
@@ -319,15 +319,9 @@ def plot(result: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not Path(args.config).is_file():
-        parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
+    check_config_and_plot(parser, args)
     if not 0 < args.cache_fraction <= 1:
         parser.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
     try:
         result = run_benchmark(args)
     except (JobFailed, ValueError) as exc:

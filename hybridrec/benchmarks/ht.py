@@ -30,7 +30,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hybridrec.benchmarks.hybrid import JobFailed, _fmt, _median, run_variants, summarize_variant
+from hybridrec.benchmarks.hybrid import (JobFailed, _fmt, _median, check_config_and_plot, run_variants,
+                                         summarize_variant)
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/persia_synthetic.yaml"
@@ -199,13 +200,7 @@ def plot(report: dict, names: list[str], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not Path(args.config).is_file():
-        parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
+    check_config_and_plot(parser, args)
     counts = group_counts(args, parser)
     chosen = variants(args.trainers, counts)
     coded = codec_variants(args.trainers, max(counts), codec_list(args, parser))

@@ -148,6 +148,18 @@ def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_d
     return metrics
 
 
+
+def check_config_and_plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error when --config names no file, or --plot is asked for without matplotlib."""
+    if not Path(args.config).is_file():
+        parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
+
+
 def run_variants(args: argparse.Namespace, variants: dict[str, list[str]], root: Path,
                  emulation=None, label: str = "bench hybrid") -> dict[str, list[dict]]:
     """Every variant `--runs` times per seed, interleaved (seed, run, then variant: the i-th jobs of
@@ -387,17 +399,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.trainers = 1 if args.codecs else 2
     if args.runs is None:
         args.runs = 1 if args.seeds else 3
-    if not Path(args.config).is_file():
-        parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
+    check_config_and_plot(parser, args)
     try:
         points = sweep(args)
     except ValueError as exc:  # a bad emulation flag, or no privilege to emulate hosts
         parser.error(str(exc))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
     try:
         reports = run_benchmark(args, points)
     except (JobFailed, ValueError) as exc:  # ValueError: ConfigError, bad counts

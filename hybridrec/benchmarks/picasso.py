@@ -45,6 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridrec.benchmarks.hybrid import check_config_and_plot
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/picasso_synthetic.yaml"
@@ -323,13 +324,7 @@ def run_benchmark(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not Path(args.config).is_file():
-        parser.error(f"--config {args.config}: no such file (paths are relative to {Path.cwd()})")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"--plot {args.plot}: needs matplotlib (pip install 'hybridrec[bench]')")
+    check_config_and_plot(parser, args)
     try:
         report = run_benchmark(args)
     except (JobFailed, ValueError, subprocess.TimeoutExpired) as exc:
