@@ -40,6 +40,9 @@ import torch
 from torch import Tensor
 
 DENSE_CODECS = ("none", "bf16", "topk")
+# the wire between HT's trainers and group PSs: codec -> (activations forward, gradients backward)
+WIRE_CODECS = {"none": ("none", "none"), "bf16": ("bf16", "bf16"), "int8": ("int8", "bf16"), "topk": ("none", "topk")}
+INT8_BLOCK = 64  # activations per int8 scale on that wire: narrow activations need no scale a row
 INT8_MAX = 127.0
 
 

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from hybridrec.comm.compression import INT8_BLOCK, WIRE_CODECS as WIRE_CODEC_HALVES
 from hybridrec.errors import UserError
 
 TRAINER = "trainer"
@@ -63,8 +64,7 @@ INPUT, LOSS = "(input)", "(loss)"
 OPTIMIZER_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # float tensors per parameter besides weight and grad
 OPTIMIZER_FLOPS_PER_VALUE = {"sgd": 2, "adagrad": 5, "adam": 10}
 PLAN_FILE = "plan.json"
-WIRE_CODECS = ("none", "bf16", "int8", "topk")  # hybridrec.strategy.dense.remote_wire
-INT8_BLOCK = 64  # values per int8 scale (Int8Codec(block_size=64)): narrow activations need no scale a row
+WIRE_CODECS = tuple(WIRE_CODEC_HALVES)
 
 
 def wire_bytes(edge: "Edge", codec: str, topk_ratio: float = 0.01) -> tuple[float, float]:

@@ -18,10 +18,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from hybridrec.comm.compression import ErrorFeedback, make_codec, packed_arrays, unpack_arrays
+from hybridrec.comm.compression import (INT8_BLOCK, WIRE_CODECS, ErrorFeedback, make_codec, packed_arrays,
+                                        unpack_arrays)
 
-WIRE_CODECS = {"none": ("none", "none"), "bf16": ("bf16", "bf16"), "int8": ("int8", "bf16"), "topk": ("none", "topk")}
-INT8_BLOCK = 64  # activations per int8 scale
 MAX_SLOTS = 64  # tensors in one message
 
 
