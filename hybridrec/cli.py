@@ -15,7 +15,6 @@ import sys
 BENCHMARKS = {
     "embedding": ("hybridrec.benchmarks.embedding", "lookup + pooled forward + backward + fused Adagrad vs torch and TorchRec"),
     "e2e": ("hybridrec.benchmarks.e2e", "DLRM end-to-end training samples/s vs torch and TorchRec"),
-    "e2e-floor": ("hybridrec.benchmarks.e2e_floor", "the e2e DLRM step fed by no embedding engine (its ceiling) vs TorchRec"),
     "reader": ("hybridrec.benchmarks.reader", "Criteo TSV reader rows/s vs pandas.read_csv"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
     "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),

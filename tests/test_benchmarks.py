@@ -1,5 +1,5 @@
 """Tests of the benchmark harness at tiny sizes: the workload has the promised shape and
-skew, every system really trains, the embedding, e2e and e2e-floor benchmarks print valid JSON
+skew, every system really trains, the embedding and e2e benchmarks print valid JSON
 with the documented keys, and every `hybridrec bench` mode and developer script has --help.
 No timing is asserted: throughput figures only have to be positive numbers."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.benchmarks import e2e, e2e_floor, embedding
+from hybridrec.benchmarks import e2e, embedding
 from hybridrec.benchmarks.peers import SYSTEM_NAMES, HybridrecSystem, TorchEmbeddingBagSystem, \
     TorchRecSystem, parse_system_names
 from hybridrec.benchmarks.timing import SystemResult, Throughput, summarize
@@ -235,21 +235,27 @@ def test_e2e_reports_the_dlrm_top_mlp_input():
     assert summary["settings"]["top_mlp"][0] == summary["top_mlp_input"]
 
 
-def test_e2e_floor_reports_the_dense_only_floor_against_each_engine(capsys):
-    returned = e2e_floor.main([*TINY, "--systems", "hybridrec,torch", "--json"])
+def test_e2e_measures_the_systems_asked_for_with_the_dense_only_floor(capsys):
+    returned = e2e.main([*TINY, "--systems", "hybridrec,dense_only", "--wide-fields", "0", "--json"])
     summary = _single_json_line(capsys.readouterr().out)
     assert summary == json.loads(json.dumps(returned))
     assert _positive_rate(summary["dense_only_samples_per_s"])
     assert len(summary["dense_only_samples_per_s_runs"]) == summary["settings"]["repeats"]
-    for name in ("hybridrec", "torch"):
-        _check_system_entry(summary, name, "samples_per_s")
-    assert _positive_rate(summary["dense_only_over_torch"])
-    assert summary["torchrec_samples_per_s"] is None  # not asked for
-    assert summary["top_mlp_input"] == 4 + (3 + 1) * 3 // 2
+    _check_system_entry(summary, "hybridrec", "samples_per_s")
+    assert _positive_rate(summary["hybridrec_over_dense_only"])
+    assert summary["torch_samples_per_s"] is None  # not asked for
+    assert summary["wide"] is None
+
+
+def test_e2e_refuses_an_unknown_system_naming_the_allowed_ones(capsys):
+    with pytest.raises(SystemExit):
+        e2e.main([*TINY, "--systems", "hybridrec,dense"])
+    error = capsys.readouterr().err
+    assert "--systems" in error and "dense_only" in error and "'hybridrec,dense'" in error
 
 
 def test_the_dense_only_system_has_no_lookup_and_no_update():
-    system = e2e_floor.FixedEmbeddings(TINY_SHAPE)
+    system = e2e.FixedEmbeddings(TINY_SHAPE)
     pooled = system.pooled(system.prepare(make_sparse_batches(TINY_SHAPE, 1)[0]))
     assert pooled.shape == (TINY_SHAPE.batch_size, TINY_SHAPE.fields, TINY_SHAPE.dim)
     before = pooled.detach().clone()

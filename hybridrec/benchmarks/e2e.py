@@ -30,9 +30,8 @@ from typing import Callable
 
 import torch
 
-from hybridrec.benchmarks.peers import (ADAGRAD_EPS, ADAGRAD_LR, SYSTEM_CLASSES, SYSTEM_NAMES, EmbeddingSystem,
-                                        HybridrecSystem, SystemBase, benchmark_parser, compare_systems,
-                                        measure_systems)
+from hybridrec.benchmarks.peers import (ADAGRAD_EPS, ADAGRAD_LR, SYSTEM_CLASSES, EmbeddingSystem, HybridrecSystem,
+                                        SystemBase, benchmark_parser, measure_systems)
 from hybridrec.benchmarks.timing import TimingPlan, non_negative_int, positive_int, print_summary, summarize
 from hybridrec.benchmarks.workload import (DenseBatch, SparseBatch, WorkloadShape,
                                            make_dense_batches, make_sparse_batches,
@@ -90,13 +89,11 @@ class PipelinedHybridrecBf16(PipelinedHybridrec):
     precision = "bf16"
 
 
-def build_parser(prog: str = "hybridrec bench e2e",
-                 description: str = "End-to-end training samples/s of DLRM and a wide model with hybridrec, "
-                                    "torch.nn.EmbeddingBag and TorchRec embeddings under the same dense "
-                                    "model, and of that model alone (dense_only).",
-                 systems: tuple[str, ...] = E2E_NAMES) -> argparse.ArgumentParser:
-    parser = benchmark_parser(prog, description, SYSTEM_NAMES)
-    parser.set_defaults(systems=systems)
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser("hybridrec bench e2e",
+                              "End-to-end training samples/s of DLRM and a wide model with hybridrec, "
+                              "torch.nn.EmbeddingBag and TorchRec embeddings under the same dense model, "
+                              "and of that model alone (dense_only).", E2E_NAMES, allowed=E2E_NAMES)
     parser.add_argument("--num-dense", type=positive_int, default=13,
                         help="continuous features per sample (default 13)")
     parser.add_argument("--threads", type=positive_int, default=1,
@@ -233,13 +230,9 @@ def measure_model(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPl
     return summary
 
 
-def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan, *,
-            classes: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] | None = None,
-            title: str = "DLRM training") -> dict:
+def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan) -> dict:
     """Trains the DLRM (and, unless `--wide-fields 0`, the wide model) fed by each of
     `args.systems`, interleaved, and prints and returns the summary."""
-    if classes is not None:  # a caller's own systems (e2e-floor), one thread as before
-        return _compare_dlrm_only(args, shape, plan, classes, title)
     set_threads(args.threads)
     classes = system_classes(args.threads)
     names = tuple(name for name in E2E_NAMES if name in args.systems)
@@ -262,22 +255,8 @@ def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan, *,
     for label, part in (("DLRM", summary), (f"wide, {args.wide_fields} fields", summary["wide"])):
         if part is not None:
             print_summary(part, UNIT, tuple(classes), as_json=False,
-                          title=f"{title if label == 'DLRM' else 'training'} ({label}), {args.threads} thread(s)")
+                          title=f"training ({label}), {args.threads} thread(s)")
     return summary
-
-
-def _compare_dlrm_only(args, shape, plan, classes, title) -> dict:
-    sparse = make_sparse_batches(shape, plan.total_batches)
-    dense = make_dense_batches(shape.batch_size, args.num_dense, plan.total_batches, seed=shape.seed)
-    top_mlp_input = build_dlrm(shape, args.num_dense).interaction_dim
-    return compare_systems(
-        args, shape, plan, unit=UNIT, items_per_batch=shape.batch_size,
-        make_runner=lambda system: training_step_runner(system, sparse, dense, shape, args.num_dense),
-        settings={"num_dense": args.num_dense, "model": "dlrm",
-                  "bottom_mlp": [args.num_dense, BOTTOM_HIDDEN, shape.dim],
-                  "top_mlp": [top_mlp_input, *TOP_MLP, 1]},
-        title=f"{title}, top MLP {top_mlp_input}-256-128-1, one thread",
-        extra_keys={"top_mlp_input": top_mlp_input}, classes=classes)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -162,39 +162,40 @@ SYSTEM_CLASSES: dict[str, Callable[[WorkloadShape], EmbeddingSystem]] = {
 }
 
 
-def parse_system_names(text: str) -> tuple[str, ...]:
-    """Comma-separated subset of SYSTEM_NAMES, e.g. "torch,torchrec"."""
+def parse_system_names(text: str, allowed: tuple[str, ...] = SYSTEM_NAMES) -> tuple[str, ...]:
+    """Comma-separated subset of `allowed`, e.g. "torch,torchrec"."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in SYSTEM_NAMES]
+    unknown = [name for name in names if name not in allowed]
     if not names or unknown:
-        raise ValueError(f"systems must be a comma-separated subset of {list(SYSTEM_NAMES)}, "
+        raise ValueError(f"systems must be a comma-separated subset of {list(allowed)}, "
                          f"got {text!r}")
     return names
 
 
 def benchmark_parser(prog: str, description: str,
-                     systems: tuple[str, ...] = SYSTEM_NAMES) -> argparse.ArgumentParser:
-    """A parser with the options every benchmark shares: workload, timing, --systems (default
-    `systems`), --json."""
+                     systems: tuple[str, ...] = SYSTEM_NAMES,
+                     allowed: tuple[str, ...] = SYSTEM_NAMES) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark shares: workload, timing, --systems (a subset of
+    `allowed`, default `systems`), --json."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_workload_arguments(parser)
     add_timing_arguments(parser, warmup=5, batches=10, repeats=5)
-    add_system_arguments(parser, systems)
+    add_system_arguments(parser, systems, allowed)
     return parser
 
 
-def add_system_arguments(parser: argparse.ArgumentParser,
-                         default: tuple[str, ...] = SYSTEM_NAMES) -> None:
-    """Adds --systems, a comma-separated subset of SYSTEM_NAMES (default `default`)."""
+def add_system_arguments(parser: argparse.ArgumentParser, default: tuple[str, ...] = SYSTEM_NAMES,
+                         allowed: tuple[str, ...] = SYSTEM_NAMES) -> None:
+    """Adds --systems, a comma-separated subset of `allowed` (default `default`)."""
 
     def system_names(text: str) -> tuple[str, ...]:
         try:
-            return parse_system_names(text)
+            return parse_system_names(text, allowed)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
     parser.add_argument("--systems", type=system_names, default=default,
-                        help="comma-separated systems to measure, of " + ",".join(SYSTEM_NAMES)
+                        help="comma-separated systems to measure, of " + ",".join(allowed)
                              + " (default " + ",".join(default) + ")")
 
 
