@@ -333,6 +333,22 @@ def test_an_output_still_held_is_never_written_by_a_later_batch(train):
     np.testing.assert_array_equal(again.detach().numpy(), expected)
 
 
+def test_the_one_call_path_reuses_either_of_its_last_two_outputs_once_released():
+    """Two outputs may be alive at once (the pipelined step pools the next batch while the current
+    one trains); a released one is written again instead of fresh memory."""
+    coll = EmbeddingCollection({name: TableConfig(dim=16, capacity=100) for name in ("a", "b")})
+    batch = _features(["a", "b"], [[[1], [2]], [[3], [4]]])
+    first = coll.forward_stacked(batch)
+    second = coll.forward_stacked(batch)
+    addresses = first.data_ptr(), second.data_ptr()
+    assert addresses[0] != addresses[1]
+    del first
+    third = coll.forward_stacked(batch)
+    assert third.data_ptr() == addresses[0]
+    del second
+    assert coll.forward_stacked(batch).data_ptr() == addresses[1]
+
+
 def test_the_address_table_keeps_the_stores_arrays_alive_and_views_them_unchanged():
     """The group kernels reach every table's arrays through their addresses; the table must hold
     the arrays, so they stay valid (and are the same memory) after the stores themselves are gone."""

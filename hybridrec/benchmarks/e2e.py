@@ -70,7 +70,7 @@ class FixedEmbeddings(SystemBase):
 class PipelinedHybridrec(HybridrecSystem):
     """hybridrec as the pipelined local step runs it: `training_step_runner` takes each batch's
     rows from a `LocalPipeline` over this system (which serves as its placement: `look_ahead`,
-    `apply_ahead`, `refresh`), whose thread looks the next batch up and applies the updates."""
+    `apply_ahead`, `pool_ahead`), whose thread looks the next batch up and applies the updates."""
 
     precision = "fp32"
 
@@ -80,8 +80,8 @@ class PipelinedHybridrec(HybridrecSystem):
     def apply_ahead(self, looked) -> bool:
         return self.collection.apply_ahead(looked)
 
-    def refresh(self, looked, previous) -> tuple[int, int, int]:
-        return (*self.collection.refresh(looked, previous), looked.unique_rows)
+    def pool_ahead(self, looked, previous) -> tuple[int, int]:
+        return self.collection.pool_ahead(looked, previous), looked.unique_rows
 
 
 class PipelinedHybridrecBf16(PipelinedHybridrec):
@@ -224,9 +224,7 @@ def measure_model(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPl
     summary = {**summarize(results, UNIT, tuple(classes), settings), "threads": args.threads, **extra_keys}
     if pipelines:
         f = pipelines[0].figures
-        summary["pipeline"] = {"shared_row_fraction": f["shared_rows"] / max(f["unique_rows"], 1),
-                               "repooled_sample_fraction": f["repooled_samples"]
-                               / max(f["refreshed_batches"] * shape.lookups_per_batch, 1)}
+        summary["pipeline"] = {"shared_row_fraction": f["shared_rows"] / max(f["unique_rows"], 1)}
     return summary
 
 

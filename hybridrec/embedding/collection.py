@@ -93,7 +93,7 @@ class _TableGroup:
         self.rooms = np.empty(len(stores), np.int64)
         self._refresh_rooms()
         self._scratch_arrays: dict[str, np.ndarray] = {}
-        self._last_output = None
+        self._outputs: list = [None, None]
         cfgs = [s.config for s in stores]
         self.icfg = np.stack([s.icfg for s in stores])
         self.fcfg = np.stack([s.fcfg for s in stores])
@@ -118,17 +118,25 @@ class _TableGroup:
 
     def _output(self, bsz: int, dim: int) -> np.ndarray:
         """The [bsz, tables, dim] array to pool into, 64-byte aligned (a 64-byte row is one line):
-        the one handed out last time when nothing refers to it any more (the tensor made from it,
+        one of the last two handed out that nothing refers to any more (the tensor made from it,
         and every view of that, are gone; CPython's reference count says so exactly), else a new
-        one: a new array each step means fresh pages, faulted in while the caches are cold."""
-        if (self._last_output is None or sys.getrefcount(self._last_output) != 2  # this attribute, the argument
-                or self._last_output.shape != (bsz, len(self.stores), dim)):
-            self._last_output = aligned_empty((bsz, len(self.stores), dim), np.float32, CACHE_LINE)
-        return self._last_output
+        one in the place of the older: a new array each step means fresh pages, faulted in while
+        the caches are cold. Two, because the pipelined step pools the next batch while the
+        current one's output is still in use."""
+        shape = (bsz, len(self.stores), dim)
+        for i in range(len(self._outputs)):
+            out = self._outputs[i]
+            if out is not None and sys.getrefcount(out) == 3 and out.shape == shape:  # the list, `out`, the argument
+                self._outputs.append(self._outputs.pop(i))  # the newest last
+                return out
+        out = aligned_empty(shape, np.float32, CACHE_LINE)
+        self._outputs = [self._outputs[1], out]
+        return out
 
-    def forward(self, features, positions, bsz, dim, train):
+    def forward(self, features, positions, bsz, dim, train, pool=True):
         """Pooled [bsz, tables, dim] output of the features at `positions` in the batch (one per
-        table, in table order) and the pass its backward needs."""
+        table, in table order) and the pass its backward needs; without `pool` the output is
+        left for `pool` to fill."""
         keys = features.values
         offsets = features.offsets
         n = keys.shape[0]
@@ -145,7 +153,7 @@ class _TableGroup:
             for _ in range(2):  # a second call only after _service
                 status = GK.lookup_pool_tables(
                     keys, offsets, positions, bsz, self.arrays.table, self.icfg, self.fcfg, self.seeds,
-                    self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out)
+                    self.pool_modes, mode, self.rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out, pool)
                 if status != GK.NEEDS_SERVICE:
                     break
                 self._service(spans, train)
@@ -156,6 +164,13 @@ class _TableGroup:
         if status > 0:
             raise self.stores[status - 1].batch_too_large_error(self.tables[status - 1])
         return out, _GroupPass(self, inverse, spans, offsets, bsz, uniq_rows, uniq_keys, nuniq)
+
+    def pool(self, gpass, out) -> None:
+        """Pool a batch `forward` probed without pooling into `out`, from the rows as they are now."""
+        with self.lock:
+            row_ids = self._scratch("out_rows", gpass.inverse.shape, np.int32)
+            GK.pool_tables(gpass.inverse, gpass.uniq_rows, gpass.spans, gpass.offsets, gpass.bsz, self.arrays.table,
+                           self.pool_modes, row_ids, out)
 
     def _service(self, spans, train):
         """What the kernel asked for: room in each index for its segment, fresh epoch counts."""
@@ -227,15 +242,22 @@ def _apply_passes(passes, grads: list) -> None:
             tp.store.apply(tp.lookup, ugrad)
 
 
+def _shared_rows(before: Lookup, after: Lookup) -> int:
+    """Rows both lookups of one store found holding the same key."""
+    _, i, j = np.intersect1d(before.uniq_keys, after.uniq_keys, assume_unique=True, return_indices=True)
+    rows = before.uniq_rows[i]
+    return int(np.count_nonzero((rows >= 0) & (rows == after.uniq_rows[j])))
+
+
 @dataclasses.dataclass
 class LookedAhead:
-    """A training batch's rows, looked up (keys inserted, outputs pooled) ahead of its step by
-    `EmbeddingCollection.look_ahead`. The tensor `attach` makes records its gradient here in
+    """A training batch's rows, looked up (keys inserted) ahead of its step by
+    `EmbeddingCollection.look_ahead` and pooled by `pool_ahead`. The tensor `attach` makes records its gradient here in
     backward, and `apply_ahead` applies it later, so the lookup and the update may run on another
     thread than the dense step."""
 
     passes: object  # the _GroupPass, or the _TablePass of each table
-    outputs: list  # pooled numpy arrays, one per group of features
+    outputs: list  # numpy arrays, one per group of features, pooled by pool_ahead
     grads: list | None = None  # set by backward, taken by apply_ahead
 
     @property
@@ -363,14 +385,15 @@ class EmbeddingCollection(torch.nn.Module):
         result = _FusedEmbeddingFunction.apply(self._anchor, passes, *outputs)
         return list(result) if isinstance(result, tuple) else [result]
 
-    def _lookup(self, features, groups: tuple, train: bool):
+    def _lookup(self, features, groups: tuple, train: bool, pool: bool = True):
         """(passes, pooled numpy outputs, one per group) of a batch; with `train`, new keys are
-        inserted and the passes are what the update needs."""
+        inserted and the passes are what the update needs; without `pool` the outputs are left
+        unfilled (`pool_ahead` fills them)."""
         names = groups[0] if len(groups) == 1 else tuple(n for g in groups for n in g)
         bsz, positions = self._positions(features, names)
         group = self._group_for(names) if len(groups) == 1 and bsz > 0 else None
         if group is not None:
-            out, gpass = group.forward(features, positions, bsz, self.dims[names[0]], train)
+            out, gpass = group.forward(features, positions, bsz, self.dims[names[0]], train, pool)
             return gpass, [out]
         offsets = features.offsets
         where = {n: offsets[f * bsz:(f + 1) * bsz + 1] for n, f in zip(names, positions.tolist())}
@@ -397,7 +420,8 @@ class EmbeddingCollection(torch.nn.Module):
             feats_info = []
             for n, offs in zip(feats, local):
                 gi, ci = slot[n]
-                store.pool(lookup, offs, outputs[gi], column=ci)
+                if pool:
+                    store.pool(lookup, offs, outputs[gi], column=ci)
                 feats_info.append((gi, ci, offs))
             passes.append(_TablePass(store, lookup, feats_info))
         return passes, outputs
@@ -429,9 +453,33 @@ class EmbeddingCollection(torch.nn.Module):
 
     # ---------------------------------------------------------------- a step in two threads
     def look_ahead(self, features, names: list[str] | None = None) -> LookedAhead:
-        """forward_stacked's training lookup (keys inserted, outputs pooled) without the autograd
-        node, which `attach` makes later, possibly in another thread."""
-        return LookedAhead(*self._lookup(features, self._stacked(names), True))
+        """forward_stacked's training lookup (keys inserted) without the pooling, which
+        `pool_ahead` does later, and without the autograd node, which `attach` makes later,
+        possibly in another thread."""
+        return LookedAhead(*self._lookup(features, self._stacked(names), True, pool=False))
+
+    def pool_ahead(self, ahead: LookedAhead, previous: LookedAhead | None = None) -> int:
+        """Pool a looked-ahead batch from the rows as they are now (after the updates of the
+        batches before it). Returns the rows it reads that `previous` (the batch trained just
+        before it) updated: what a lookup before that update would have read stale (0 when
+        `previous` is None)."""
+        cur = ahead.passes
+        prev = None if previous is None else previous.passes
+        if isinstance(cur, _GroupPass):
+            g = cur.group
+            g.pool(cur, ahead.outputs[0])
+            if not (isinstance(prev, _GroupPass) and prev.group is g):
+                return 0
+            with g.lock:
+                return int(GK.count_shared_rows(prev.uniq_rows, prev.spans, prev.nuniq, cur.uniq_rows, cur.spans,
+                                                cur.nuniq, g.arrays.table, g.icfg))
+        for tp in cur:
+            for group, column, offsets in tp.features:
+                tp.store.pool(tp.lookup, offsets, ahead.outputs[group], column=column)
+        if isinstance(prev, _GroupPass) or prev is None:
+            return 0
+        before = {id(tp.store): tp.lookup for tp in prev}
+        return sum(_shared_rows(before[id(tp.store)], tp.lookup) for tp in cur if id(tp.store) in before)
 
     def attach(self, ahead: LookedAhead) -> torch.Tensor:
         """The Tensor[B, F, dim] of a looked-ahead batch, inside autograd; its backward records the
@@ -446,31 +494,6 @@ class EmbeddingCollection(torch.nn.Module):
             return False
         _apply_passes(ahead.passes, grads)
         return True
-
-    def refresh(self, ahead: LookedAhead, previous: LookedAhead) -> tuple[int, int]:
-        """Make `ahead`'s outputs what a lookup after `previous`'s update would have pooled, when
-        `ahead` was looked up before that update was applied: the samples holding a row of both
-        batches are pooled again. Returns (rows of both batches, samples pooled again); without
-        the one-call path every sample is pooled again."""
-        cur, prev = ahead.passes, previous.passes
-        if isinstance(cur, _GroupPass):
-            if not (isinstance(prev, _GroupPass) and prev.group is cur.group):
-                prev = cur  # the tables' rows of another path: every sample holding a row is pooled again
-            g = cur.group
-            counts = np.zeros((2, len(g.stores)), np.int64)
-            with g.lock:
-                row_ids = g._scratch("out_rows", cur.inverse.shape, np.int32)
-                GK.repool_updated(prev.uniq_rows, prev.spans, prev.nuniq, cur.inverse, cur.uniq_rows, cur.spans,
-                                  cur.nuniq, cur.offsets, cur.bsz, g.arrays.table, g.icfg, g.pool_modes, row_ids,
-                                  ahead.outputs[0], counts)
-            return int(counts[0].sum()), int(counts[1].sum())
-        rows = samples = 0
-        for tp in cur:
-            for group, column, offsets in tp.features:
-                tp.store.pool(tp.lookup, offsets, ahead.outputs[group], column=column)
-                samples += len(offsets) - 1
-            rows += tp.lookup.num_unique
-        return rows, samples
 
     # ---------------------------------------------------------------- persistence helpers
     def replace_store(self, table: str, store: EmbeddingStore) -> None:

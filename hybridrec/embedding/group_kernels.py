@@ -29,9 +29,9 @@ SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys
 
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg, fcfg, seeds, pool_modes, mode,
-                       rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out):
-    """Fill `spans` [3, tables] from the offsets, probe every table's segment, then pool it
-    into out[:, t, :]. Returns 0, or t + 1 for the first table t that ran out of evictable rows,
+                       rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out, pool):
+    """Fill `spans` [3, tables] from the offsets, probe every table's segment, then, with `pool`,
+    pool it into out[:, t, :] (without, `pool_tables` does that later). Returns 0, or t + 1 for the first table t that ran out of evictable rows,
     or NEEDS_SERVICE, having changed nothing, when a table's epoch count is at its limit or (in
     a mode that inserts) its segment could take its index past rooms[t] keys: the caller grows
     the index or restarts the epoch count (store.make_index_room,
@@ -73,8 +73,9 @@ def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg
         nuniq[t] = n
         for u in range(lo, lo + n):
             uniq_keys[u] = meta64[uniq_rows[u], 0]
-        base = spans[SPAN_BASE, t]
-        K.gather_pool(rows, out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
+        if pool:
+            base = spans[SPAN_BASE, t]
+            K.gather_pool(rows, out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
     for t in range(ntab):
         if failed[t]:
             return t + 1
@@ -142,55 +143,34 @@ def backward_tables(grad, inverse, spans, sample_offsets, batch_size, tables, un
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def repool_updated(prev_uniq_rows, prev_spans, prev_nuniq, inverse, uniq_rows, spans, nuniq, sample_offsets,
-                   batch_size, tables, icfg, pool_modes, row_ids, out, counts):
-    """Re-pool the samples of a batch looked up before the previous batch's update was applied
-    whose rows that update changed, so `out` holds what a lookup after the update would give.
-
-    The previous batch's unique rows are the candidates; a row is also this batch's when its
-    metadata slot (this batch's lookup wrote it) names a unique position of this batch holding
-    that very row. Every sample of table t with such a row is pooled again from the rows as they
-    are now. `row_ids` (one per key) is scratch. counts[0, t]: rows shared by the two batches;
-    counts[1, t]: samples re-pooled."""
-    ntab = spans.shape[1]
-    for tp in prange(ntab):
+def pool_tables(inverse, uniq_rows, spans, sample_offsets, batch_size, tables, pool_modes, row_ids, out):
+    """Pool into out[:, t, :] every table's samples of a batch `lookup_pool_tables` probed
+    without pooling, from the rows as they are now. `row_ids` (one per key) is scratch."""
+    for tp in prange(spans.shape[1]):
         t = np.int64(tp)
+        for i in range(spans[SPAN_LO, t], spans[SPAN_HI, t]):  # each key's row
+            u = inverse[i]
+            row_ids[i] = uniq_rows[u] if u >= 0 else -1
+        base = spans[SPAN_BASE, t]
+        K.gather_pool(rows_of(tables, t), row_ids, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
+
+
+@njit(cache=True, nogil=True)
+def count_shared_rows(prev_uniq_rows, prev_spans, prev_nuniq, uniq_rows, spans, nuniq, tables, icfg):
+    """Rows of the previous batch that this batch also reads, over the tables. A row is this
+    batch's when its metadata slot (this batch's lookup wrote it) names a unique position of this
+    batch holding that very row."""
+    shared = 0
+    for t in range(spans.shape[1]):
         lo = spans[SPAN_LO, t]
-        hi = spans[SPAN_HI, t]
         n = nuniq[t]
         slot_col = icfg[t, K.IC_META] + K.M_SLOT
         r32 = meta_of(tables, t)
-        changed = np.zeros(n, np.bool_)
-        shared = 0
         plo = prev_spans[SPAN_LO, t]
         for u in range(plo, plo + prev_nuniq[t]):
             r = prev_uniq_rows[u]
-            if r < 0:
-                continue
-            s = r32[r, slot_col]
-            if lo <= s < lo + n and uniq_rows[s] == r:
-                changed[s - lo] = True
-                shared += 1
-        counts[0, t] = shared
-        counts[1, t] = 0
-        if shared == 0:
-            continue
-        for i in range(lo, hi):  # each key's row, as the lookup's pooling read it
-            u = inverse[i]
-            row_ids[i] = uniq_rows[u] if u >= 0 else -1
-        rows = rows_of(tables, t)
-        base = spans[SPAN_BASE, t]
-        repooled = 0
-        for b in range(batch_size):
-            start = sample_offsets[base + b]
-            end = sample_offsets[base + b + 1]
-            hit = False
-            for i in range(start, end):
-                u = inverse[i]
-                if u >= 0 and changed[u - lo]:
-                    hit = True
-                    break
-            if hit:
-                K.gather_pool(rows, row_ids, sample_offsets[base + b:base + b + 2], pool_modes[t], out[b:b + 1], t)
-                repooled += 1
-        counts[1, t] = repooled
+            if r >= 0:
+                s = r32[r, slot_col]
+                if lo <= s < lo + n and uniq_rows[s] == r:
+                    shared += 1
+    return shared

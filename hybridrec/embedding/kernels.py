@@ -571,11 +571,38 @@ def _can_stream(rows, out):
 
 
 @njit(cache=True, nogil=True)
+def pool_bag(rows, row_ids, start, end, mode, out, b, col):
+    """out[b, col] = pool(rows[row_ids[start:end]]) with plain stores; mode 0 sum, 1 mean, 2
+    sqrt-n. Missing rows (-1: absent or not admitted) read as zeros."""
+    dim = out.shape[2]
+    if end - start == 1:  # one-hot: a copy
+        r = row_ids[start]
+        if r >= 0:
+            for d in range(dim):
+                out[b, col, d] = rows[r, d]
+        else:
+            for d in range(dim):
+                out[b, col, d] = 0.0
+        return
+    for d in range(dim):
+        out[b, col, d] = 0.0
+    for i in range(start, end):
+        r = row_ids[i]
+        if r >= 0:
+            for d in range(dim):
+                out[b, col, d] += rows[r, d]
+    scale = _pool_scale(end - start, mode)
+    if scale != 1.0:
+        for d in range(dim):
+            out[b, col, d] *= scale
+
+
+@njit(cache=True, nogil=True)
 def gather_pool(rows, row_ids, offsets, mode, out, col):
-    """out[b, col] = pool(rows[row_ids[offsets[b]:offsets[b+1]]]); mode 0 sum, 1 mean, 2 sqrt-n.
-    `out` is [B, C, dim] (C-contiguous, so the inner copy vectorises). Missing rows (-1: absent or
-    not admitted) read as zeros. One-hot bags of a table whose dim is a multiple of 16 are copied
-    with non-temporal stores when the layout allows (cache_hints.py)."""
+    """out[b, col] = pool(rows[row_ids[offsets[b]:offsets[b+1]]]) for every bag b (`pool_bag`).
+    `out` is [B, C, dim] (C-contiguous, so the inner copy vectorises). One-hot bags of a table
+    whose dim is a multiple of 16 are copied with non-temporal stores when the layout allows
+    (cache_hints.py)."""
     dim = out.shape[2]
     nb = out.shape[0]
     stream = _can_stream(rows, out)
@@ -585,29 +612,11 @@ def gather_pool(rows, row_ids, offsets, mode, out, col):
             prefetch_row(rows, row_ids[ahead])
         start = offsets[b]
         end = offsets[b + 1]
-        if end - start == 1:  # one-hot: a copy
-            r = row_ids[start]
-            if r >= 0 and stream:
-                for line in range(dim // LINE_FLOATS):
-                    stream_line(out, b, col, rows, r, line)
-            elif r >= 0:
-                for d in range(dim):
-                    out[b, col, d] = rows[r, d]
-            else:
-                for d in range(dim):
-                    out[b, col, d] = 0.0
-            continue
-        for d in range(dim):
-            out[b, col, d] = 0.0
-        for i in range(start, end):
-            r = row_ids[i]
-            if r >= 0:
-                for d in range(dim):
-                    out[b, col, d] += rows[r, d]
-        scale = _pool_scale(end - start, mode)
-        if scale != 1.0:
-            for d in range(dim):
-                out[b, col, d] *= scale
+        if stream and end - start == 1 and row_ids[start] >= 0:
+            for line in range(dim // LINE_FLOATS):
+                stream_line(out, b, col, rows, row_ids[start], line)
+        else:
+            pool_bag(rows, row_ids, start, end, mode, out, b, col)
     if stream:
         store_fence()
 

@@ -2,17 +2,17 @@
 dense step of this one, and the model trained is exactly the plain step's.
 
 One thread ("emb-ahead") does every embedding operation of the local placement, in this order:
-look batch t+1 up (dedupe, probe, insert, pool: numba kernels that release the GIL) while the
-training thread runs batch t's dense forward and backward; wait for batch t's gradients (its
-backward records them, `push` says they are there); apply batch t's update; re-pool the samples of
-batch t+1 that read a row batch t's update changed (`LocalPlacement.refresh`); hand batch t+1 to
-the training thread. So every batch trains on rows that hold every earlier update (staleness 0).
+look batch t+1 up (dedupe, probe, insert: numba kernels that release the GIL) while the training
+thread runs batch t's dense forward and backward; wait for batch t's gradients (its backward
+records them, `push` says they are there); apply batch t's update; pool batch t+1 from the rows
+as they are now (`LocalPlacement.pool_ahead`); hand batch t+1 to the training thread. So every
+batch trains on rows that hold every earlier update (staleness 0).
 
 Why that is the plain step's model: a lookup decides what it inserts and evicts from the stores'
 metadata (index, recency, counts, admission sketch), which an update does not change, and an
 update skips a row evicted since its lookup, a row whose updated values the plain order would
-have overwritten at that eviction anyway. Only the pooled outputs of batch t+1 can differ, and
-the re-pool makes them equal. Around an evaluation or a checkpoint (`pause(k)`: the k-th batch of
+have overwritten at that eviction anyway. Only the pooled outputs could differ, and they are
+pooled after the update. Around an evaluation or a checkpoint (`pause(k)`: the k-th batch of
 this stream is followed by one) the next lookup waits until the training thread asks for the next
 batch, so they see the stores exactly as the trained steps left them. At most `limit` batches are
 looked up. A failure in the thread is raised in the training thread at its next call.
@@ -71,8 +71,7 @@ class LocalPipeline:
         self._error: BaseException | None = None
         self._raise_as_is = False  # the error came from reading the batches
         self.staleness: list[int] = []
-        self.figures = {"batches": 0, "refreshed_batches": 0, "shared_rows": 0, "unique_rows": 0,
-                        "repooled_samples": 0}
+        self.figures = {"batches": 0, "shared_rows": 0, "unique_rows": 0}
         self._thread = threading.Thread(target=self._guard, name="emb-ahead", daemon=True)
         self._thread.start()
 
@@ -145,8 +144,9 @@ class LocalPipeline:
                 looked = self._placement.look_ahead(batch)
             if pending is not None:
                 self._finish(pending)
-                shared, repooled, unique = self._placement.refresh(looked, pending.looked)
-                self._count(shared, repooled, unique)
+            shared, unique = self._placement.pool_ahead(looked, None if pending is None else pending.looked)
+            self.figures["shared_rows"] += shared
+            self.figures["unique_rows"] += unique
             looked_up += 1
             ready = ReadyBatch(index, batch, looked, 0)
             if not put_unless_stopped(self._ready, ready, self._stop, _POLL):
@@ -155,13 +155,6 @@ class LocalPipeline:
         if pending is not None:
             self._finish(pending)
         put_unless_stopped(self._ready, _END, self._stop, _POLL)
-
-    def _count(self, shared: int, repooled: int, unique: int) -> None:
-        f = self.figures
-        f["refreshed_batches"] += 1
-        f["shared_rows"] += shared
-        f["unique_rows"] += unique
-        f["repooled_samples"] += repooled
 
     # ------------------------------------------------------------------ the training thread
     def _raise_if_failed(self) -> None:

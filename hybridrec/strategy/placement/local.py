@@ -5,10 +5,10 @@ inside the forward pass, and the update is applied inside backward (optimizer-in
 connection has nothing to do before or after the step. One trainer only: tables in the process
 are not shared with other processes.
 
-The pipelined local step (hybridrec/train/local_pipeline.py) splits that step in two: `look_ahead`
-looks a batch up (keys inserted, outputs pooled) on the pipeline's thread, `inputs` makes the
-dense model's tensors of it, whose backward records the gradients, `apply_ahead` applies them on
-the pipeline's thread, and `refresh` re-pools what a batch looked up before that update read.
+The pipelined local step (hybridrec/train/local_pipeline.py) splits that step up: `look_ahead`
+looks a batch up (keys inserted) on the pipeline's thread, `apply_ahead` applies the batch before
+it there, `pool_ahead` then pools it from the updated rows, and `inputs` makes the dense model's
+tensors of it, whose backward records the gradients.
 """
 from __future__ import annotations
 
@@ -75,12 +75,12 @@ class LocalPlacement:
         applied = [self.collections[side].apply_ahead(ahead) for side, ahead in looked.items()]
         return any(applied)
 
-    def refresh(self, looked: dict, previous: dict) -> tuple[int, int, int]:
-        """Re-pools what `looked` read of the rows `previous`'s update changed after the lookup;
-        (rows of both batches, samples pooled again, rows `looked` reads), over the sides."""
-        counts = [self.collections[side].refresh(ahead, previous[side]) + (ahead.unique_rows,)
-                  for side, ahead in looked.items()]
-        return tuple(sum(c[i] for c in counts) for i in range(3))
+    def pool_ahead(self, looked: dict, previous: dict | None) -> tuple[int, int]:
+        """Pools a looked-ahead batch from the rows as they are now; (rows it reads that
+        `previous`, the batch before it, updated; rows it reads), over the sides."""
+        shared = sum(self.collections[side].pool_ahead(ahead, None if previous is None else previous[side])
+                     for side, ahead in looked.items())
+        return shared, sum(ahead.unique_rows for ahead in looked.values())
 
     def _directories(self, root: Path):
         for side, collection in self.collections.items():
