@@ -92,7 +92,7 @@ def reading_world(placement, world: World) -> World:
     scores its share of the held-out ones (`world`), or, when the placement's trainers each
     compute a part of every sample (`whole_batches`: DES's field_sharded), every trainer reads and
     scores every row, all together (a world of one)."""
-    return _Alone() if getattr(placement, "whole_batches", False) else world
+    return _Alone() if placement.whole_batches else world
 
 
 def dense_precision(precision: str, device: torch.device):
@@ -103,14 +103,13 @@ def dense_precision(precision: str, device: torch.device):
 
 
 def forward_backward(placement, dense, ready, loss_fn, device, precision: str = "fp32"):
-    """(inputs, logits, loss) of a step's forward and backward passes. A placement that offers
+    """(inputs, logits, loss) of a step's forward and backward passes. The placement's
     `micro_batches(looked, batch)` (PICASSO's D-interleaving) may cut the batch into parts: one
     pass per part, each part's loss weighted by its share of the rows and the dense gradients
     accumulated unsynchronised (DDP's no_sync) until the last part, so the step's gradients are
     the whole batch's; the placement updates its embeddings once, in the push."""
     batch = ready.batch
-    split = getattr(placement, "micro_batches", None)
-    parts = split(ready.looked, batch) if split is not None else [(ready.looked, batch)]
+    parts = placement.micro_batches(ready.looked, batch)
     if len(parts) == 1:
         inputs = placement.inputs(parts[0][0], batch, requires_grad=True)
         with dense_precision(precision, device):
@@ -194,7 +193,7 @@ def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bo
     if value is None:
         return {"step": 0, "epoch": 0, "next_batch": 0, "samples": 0}, None
     record, state = found[1:] if found is not None else (read_progress(value, cfg), read_dense(value))
-    if not world.leader and getattr(placement, "tables_on_trainers", False):
+    if not world.leader and placement.tables_on_trainers:
         _load_embeddings(placement, Path(value))  # each trainer holds (and loads) its own tables
     world.barrier()
     positions = record.pop("next_batch_by_rank")
@@ -246,7 +245,7 @@ def save(cfg: JobConfig, world: World, placement, dense, progress: dict) -> None
     writes the checkpoint: dense state, the placement's tables, each trainer's data position."""
     positions = world.gather(progress["next_batch"])
     state = dense.state()  # on every trainer: a dense sync may gather its parts (DES: the first-layer blocks)
-    if getattr(placement, "tables_on_trainers", False):  # each trainer writes its own tables for the leader
+    if placement.tables_on_trainers:  # each trainer writes its own tables for the leader
         placement.stage(checkpoint_root(cfg.train.output_dir), progress["step"])
     world.barrier()
     if world.leader:

@@ -8,14 +8,17 @@ A placement gives the training loop three things:
               and `close()`;
   inputs()    in the training thread: the dense model's `EmbeddingInputs` for a looked-up batch;
   save/load   the embedding tables into / from a checkpoint's `embeddings` directory.
-`background_lookups` says whether lookups may run in another thread than the training step
-(remote rows: yes; the local fused lookup runs inside autograd: no). Optional flags:
-`whole_batches` (every trainer reads every row, each computing a part of every sample: DES's
-field_sharded; the loop then deals the data as to one trainer and every trainer scores every
-test row) and `tables_on_trainers` (the trainers hold the tables: before the leader writes a
-checkpoint every trainer calls `stage(checkpoint_root, step)` to write its own tables, which
-the leader's `save` gathers, and on resume every trainer `load`s its own). `make_placement`
-builds the value named by `strategy.placement` from the module hybridrec.axes names for it.
+and members with defaults in `PlacementDefaults`, which a placement overrides where it differs:
+`background_lookups` (lookups may run in another thread than the training step: remote rows
+yes, the local fused lookup runs inside autograd, no); `whole_batches` (every trainer reads
+every row, each computing a part of every sample: DES's field_sharded; the loop then deals the
+data as to one trainer and every trainer scores every test row); `tables_on_trainers` (the
+trainers hold the tables: before the leader writes a checkpoint every trainer calls
+`stage(checkpoint_root, step)` to write its own tables, which the leader's `save` gathers, and on
+resume every trainer `load`s its own); `micro_batches(looked, batch)` (the parts a step's
+forward and backward run in: PICASSO's D-interleaving cuts a batch, the rest keep it whole).
+`make_placement` builds the value named by `strategy.placement` from the module hybridrec.axes
+names for it.
 """
 from __future__ import annotations
 
@@ -41,8 +44,14 @@ class Connection(Protocol):
 
 class Placement(Protocol):
     background_lookups: bool
+    whole_batches: bool
+    tables_on_trainers: bool
 
     def connect(self) -> Connection: ...
+
+    def micro_batches(self, looked, batch) -> list: ...
+
+    def stage(self, root: Path, step: int) -> None: ...
 
     def inputs(self, looked, batch, requires_grad: bool): ...
 
@@ -53,6 +62,21 @@ class Placement(Protocol):
     def facts(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+class PlacementDefaults:
+    """The optional members of `Placement` as most placements have them."""
+
+    background_lookups = False
+    whole_batches = False
+    tables_on_trainers = False
+
+    def micro_batches(self, looked, batch) -> list:
+        """[(looked, batch)]: the step runs on the whole batch."""
+        return [(looked, batch)]
+
+    def stage(self, root: Path, step: int) -> None:
+        """Nothing: the leader's `save` writes every table (see `tables_on_trainers`)."""
 
 
 def make_placement(name: str, cfg, tables, world, endpoints) -> Placement:

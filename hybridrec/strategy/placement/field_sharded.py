@@ -131,7 +131,6 @@ class _Connection:
 
 
 class FieldShardedPlacement(LocalPlacement):
-    background_lookups = False
     whole_batches = True  # every trainer reads every row: its fields' IDs of every sample
     tables_on_trainers = True  # each trainer saves and loads its own tables
 

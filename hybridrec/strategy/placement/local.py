@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from hybridrec.config import ConfigError
 from hybridrec.embedding import EmbeddingCollection
 from hybridrec.embedding.checkpoint import load as load_store
 from hybridrec.strategy.inputs import EmbeddingInputs
+from hybridrec.strategy.placement import PlacementDefaults
 
 
 class _InProcess:
@@ -39,9 +39,7 @@ class _InProcess:
         pass
 
 
-class LocalPlacement:
-    background_lookups = False
-
+class LocalPlacement(PlacementDefaults):
     def __init__(self, cfg, tables, world, endpoints=None):
         if world.size != 1:
             raise ConfigError(f"strategy.placement local keeps the tables inside one trainer process; this job has "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hybridrec.ps.client import PSClient
 from hybridrec.strategy.inputs import EmbeddingInputs, Pulled
+from hybridrec.strategy.placement import PlacementDefaults
 from hybridrec.strategy.placement.embedding_worker_client import EmbeddingWorkerClient
 
 
@@ -75,7 +76,7 @@ class _Direct(_Connection):
             return {"unacknowledged": True}
 
 
-class PSPlacement:
+class PSPlacement(PlacementDefaults):
     background_lookups = True
 
     def __init__(self, cfg, tables, world, endpoints):

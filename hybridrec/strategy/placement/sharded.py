@@ -56,6 +56,7 @@ from hybridrec.embedding.table import POOLING_MODES
 from hybridrec.embedding.table_arrays import TableArrays
 from hybridrec.ps.client import shard_directory
 from hybridrec.strategy.inputs import EmbeddingInputs
+from hybridrec.strategy.placement import PlacementDefaults
 
 SIDES = ("deep", "wide")
 
@@ -411,8 +412,7 @@ class _Connection:
             self.placement.close_connection()
 
 
-class ShardedPlacement:
-    background_lookups = False
+class ShardedPlacement(PlacementDefaults):
     tables_on_trainers = True  # each trainer saves (stage) and loads its own shard
 
     def __init__(self, cfg, tables, world, endpoints=None):
