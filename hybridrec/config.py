@@ -239,10 +239,10 @@ class TrainConfig(_Section):
                                                    "intra-op threads, and the embedding pipeline's when it runs; "
                                                    "auto = the CPUs this process may use for a one-process job, "
                                                    "1 per trainer otherwise (see hybridrec/train/threads.py)")
-    pipeline: Union[bool, Literal["auto"]] = Field("auto", description="the pipelined local step: the next "
-                                                   "batch's embedding lookup on its own thread beside the dense "
-                                                   "step, exact; auto = on with the local placement and threads "
-                                                   ">= 2")
+    pipeline: bool = Field(False, description="the pipelined local step (local placement only): the next "
+                                              "batch's embedding lookup on its own thread beside the dense step, "
+                                              "exact; off by default, since on 2 cores it measured slower than the "
+                                              "plain step, whose kernels use every thread (docs/benchmarks.md)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="the dense part's arithmetic: bf16 = torch "
                                                "autocast (CPU: bfloat16 matmuls), parameters stay fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="dense part's device; auto = cuda when available")

@@ -289,11 +289,21 @@ def test_developer_scripts_import_and_have_help(script):
     assert "usage:" in completed.stdout
 
 
-def test_the_phase_timing_script_reports_finite_times():
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "dev" / "embedding_phases.py"), "--batch-size", "64",
-         "--capacity", "4000", "--batches", "2", "--warmup", "1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+def _dev_script_report(name: str, *args: str) -> dict:
+    """The one JSON line a developer script prints at a tiny size."""
+    completed = subprocess.run([sys.executable, str(REPO / "scripts" / "dev" / name), "--batch-size", "64", *args],
+                               capture_output=True, text=True, timeout=300, cwd=REPO)
     assert completed.returncode == 0, completed.stderr
-    report = _single_json_line(completed.stdout)
+    return _single_json_line(completed.stdout)
+
+
+def test_the_cpu_budget_script_reports_its_terms_and_a_bound_of_at_most_one():
+    report = _dev_script_report("e2e_cpu_budget.py", "--batches", "3", "--warmup", "1", "--rounds", "1")
+    times = [value for key, value in report.items() if key.endswith("_ms")]
+    assert len(times) == 5 and all(value >= 0 for value in times)
+    assert 0 < report["bound_over_dense_only"] <= 1
+
+
+def test_the_phase_timing_script_reports_finite_times():
+    report = _dev_script_report("embedding_phases.py", "--capacity", "4000", "--batches", "2", "--warmup", "1")
     assert len(report) == 8 and all(_positive_rate(value) for value in report.values())

@@ -12,8 +12,9 @@ from hybridrec.benchmarks.workload import WorkloadShape, make_dense_batches, mak
 
 TINY = ["--batch-size", "64", "--fields", "3", "--dim", "4", "--capacity", "2000",
         "--warmup", "1", "--batches", "2", "--repeats", "2"]
-KEYS = ("hybridrec_samples_per_s", "hybridrec_bf16_samples_per_s", "torch_samples_per_s", "dense_only_samples_per_s",
-        "hybridrec_over_dense_only", "hybridrec_over_torch", "hybridrec_over_torchrec", "threads", "pipeline")
+KEYS = ("hybridrec_samples_per_s", "hybridrec_pipelined_samples_per_s", "hybridrec_bf16_samples_per_s",
+        "torch_samples_per_s", "dense_only_samples_per_s", "hybridrec_over_dense_only", "hybridrec_over_torch",
+        "hybridrec_over_torchrec", "hybridrec_over_hybridrec_pipelined", "threads", "pipeline")
 
 
 def test_threads_json_has_both_models_with_the_documented_keys(capsys):
@@ -30,6 +31,14 @@ def test_threads_json_has_both_models_with_the_documented_keys(capsys):
         assert 0 < part["pipeline"]["shared_row_fraction"] <= 1
     assert summary["wide"]["settings"]["mlp"] == [5 * 4 + 13, 512, 256, 1]
     assert summary["top_mlp_input"] == 4 + (3 + 1) * 3 // 2
+
+
+def test_with_threads_the_pipelined_step_runs_beside_the_default_one(capsys):
+    summary = e2e.main([*TINY, "--threads", "2", "--wide-fields", "0", "--systems", "hybridrec,hybridrec_pipelined"])
+    assert summary["pipeline"]["shared_row_fraction"] > 0  # figures only the pipelined step has
+    assert summary["hybridrec_samples_per_s"] > 0 and summary["hybridrec_over_hybridrec_pipelined"] > 0
+    one_thread = e2e.main([*TINY, "--wide-fields", "0", "--systems", "hybridrec,hybridrec_pipelined"])
+    assert "pipeline" not in one_thread and one_thread["hybridrec_pipelined_samples_per_s"] is None
 
 
 def test_the_pipelined_bench_step_trains_what_the_plain_step_trains():

@@ -158,6 +158,8 @@ def _parquet(tmp_path) -> str:
     ({"model.name": "dcn", "model.hparams": {"hidden": [0]}}, "model.hparams.hidden must be a list of positive ints"),
     ({"model.name": "dlrm", "model.hparams": {"bottom_mlp": [8, 3]}}, "model.hparams.bottom_mlp must end with"),
     ({"embedding.default": {"capacity": 1}}, "embedding.per_feature.k.capacity"),
+    ({"embedding.default": {"capacity": 1}, "train.pipeline": True, "train.threads": 2},
+     "embedding.per_feature.k.capacity"),  # raised in the pipelined step's thread, reported the same
 ])
 def test_user_mistakes_are_one_line_errors_with_exit_code_2(tmp_path, capsys, mistake, says):
     mistake = dict(mistake)

@@ -84,12 +84,10 @@ def test_a_failure_in_the_pipeline_thread_ends_training_with_an_error_and_stops_
 
 def test_threads_split_and_pipeline_choice(tmp_path):
     local = config(tmp_path, "t", **{"train.threads": 3}).train
-    assert thread_split(local, "local") == thread_split(local, "local")
     split = thread_split(local, "local")
-    assert (split.total, split.dense, split.pipelined) == (3, 3, True)
-    assert not thread_split(config(tmp_path, "t", **{"train.threads": 1}).train, "local").pipelined
-    assert not thread_split(config(tmp_path, "t", **{"train.threads": 4, "train.pipeline": False}).train,
-                            "local").pipelined
+    assert (split.total, split.dense, split.pipelined) == (3, 3, False)  # the plain step unless asked
+    piped = thread_split(config(tmp_path, "t", **{"train.threads": 3, "train.pipeline": True}).train, "local")
+    assert (piped.total, piped.dense, piped.embedding) == (3, 3, 1)
     assert thread_split(config(tmp_path, "t").train, "ps").total == 1  # auto: one per trainer process
     assert not thread_split(config(tmp_path, "t", **{"train.threads": 4}).train, "ps").pipelined
     with pytest.raises(ConfigError, match="train.pipeline is true, but strategy.placement is 'ps'"):

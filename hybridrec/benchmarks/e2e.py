@@ -12,10 +12,12 @@ embedding engine on that model and thread count). Two models:
   (default 208, PICASSO's scale; 0 skips it) and the dense features, tables of
   `--wide-capacity` rows.
 
-`--threads N` gives every system N threads (torch intra-op and numba). With N >= 2 hybridrec
-runs the pipelined local step (`hybridrec/train/local_pipeline.py`): the next batch's lookup and
-this batch's update on one thread beside the dense step, which keeps the N torch threads.
-`hybridrec_bf16` is the same with the dense part under bfloat16 autocast. Synthetic Criteo-like
+`--threads N` gives every system N threads (torch intra-op and numba). `hybridrec` is the step
+`hybridrec train` runs by default: lookup in the forward, update in the backward, its kernels on
+the N numba threads. With N >= 2, `hybridrec_pipelined` is the pipelined local step
+(`train.pipeline: true`, `hybridrec/train/local_pipeline.py`): the next batch's lookup and this
+batch's update on one thread beside the dense step, which keeps the N torch threads.
+`hybridrec_bf16` is `hybridrec` with the dense part under bfloat16 autocast. Synthetic Criteo-like
 batches are made up front (not timed). `--json` prints one JSON line: `<system>_samples_per_s`
 medians (null when absent), every `<a>_over_<b>` paired ratio, `threads`, the DLRM's
 `top_mlp_input` size (dim + (F+1)F/2), and `wide`, the same keys for the wide model.
@@ -43,7 +45,7 @@ UNIT = "samples_per_s"
 BOTTOM_HIDDEN = 64
 TOP_MLP = (256, 128)
 WIDE_MLP = (512, 256)
-E2E_NAMES = ("hybridrec", "hybridrec_bf16", "torch", "torchrec", "dense_only")
+E2E_NAMES = ("hybridrec", "hybridrec_pipelined", "hybridrec_bf16", "torch", "torchrec", "dense_only")
 
 
 class FixedEmbeddings(SystemBase):
@@ -67,12 +69,19 @@ class FixedEmbeddings(SystemBase):
         self.table.grad = None
 
 
+class HybridrecBf16(HybridrecSystem):
+    """hybridrec with the dense part under bfloat16 autocast (`train.precision: bf16`)."""
+
+    name = "hybridrec_bf16"
+    precision = "bf16"
+
+
 class PipelinedHybridrec(HybridrecSystem):
     """hybridrec as the pipelined local step runs it: `training_step_runner` takes each batch's
     rows from a `LocalPipeline` over this system (which serves as its placement: `look_ahead`,
     `apply_ahead`, `pool_ahead`), whose thread looks the next batch up and applies the updates."""
 
-    precision = "fp32"
+    name = "hybridrec_pipelined"
 
     def look_ahead(self, features):
         return self.collection.look_ahead(features)
@@ -82,11 +91,6 @@ class PipelinedHybridrec(HybridrecSystem):
 
     def pool_ahead(self, looked, previous) -> tuple[int, int]:
         return self.collection.pool_ahead(looked, previous), looked.unique_rows
-
-
-class PipelinedHybridrecBf16(PipelinedHybridrec):
-    name = "hybridrec_bf16"
-    precision = "bf16"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +158,8 @@ def training_step_runner(system: EmbeddingSystem, sparse: list[SparseBatch],
 
     if not isinstance(system, PipelinedHybridrec):
         def train_step(index: int) -> None:
-            logits = model(system.pooled(prepared[index]), None, features[index])
+            with _precision(system):
+                logits = model(system.pooled(prepared[index]), None, features[index]).float()
             loss = loss_function(logits, labels[index])
             dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -175,8 +180,7 @@ def training_step_runner(system: EmbeddingSystem, sparse: list[SparseBatch],
         ready = next(ready_batches)
         if ready.index != index:
             raise RuntimeError(f"the pipeline holds batch {ready.index}, the bench asked for {index}")
-        with _precision(system):
-            logits = model(system.collection.attach(ready.looked), None, features[index]).float()
+        logits = model(system.collection.attach(ready.looked), None, features[index])
         loss = loss_function(logits, labels[index])
         dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -199,11 +203,11 @@ def set_threads(threads: int) -> None:
         pass
 
 
-def system_classes(threads: int) -> dict[str, Callable[[WorkloadShape], EmbeddingSystem]]:
-    """Every system of this bench; hybridrec pipelined when there are threads for it."""
-    hybridrec = PipelinedHybridrec if threads >= 2 else SYSTEM_CLASSES["hybridrec"]
-    return {"hybridrec": hybridrec, "hybridrec_bf16": PipelinedHybridrecBf16, **SYSTEM_CLASSES,
-            "dense_only": FixedEmbeddings}
+def system_classes() -> dict[str, Callable[[WorkloadShape], EmbeddingSystem]]:
+    """Every system of this bench, in report order."""
+    classes = {**SYSTEM_CLASSES, "hybridrec_pipelined": PipelinedHybridrec, "hybridrec_bf16": HybridrecBf16,
+               "dense_only": FixedEmbeddings}
+    return {name: classes[name] for name in E2E_NAMES}
 
 
 def measure_model(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan, build: Callable,
@@ -232,8 +236,9 @@ def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan) ->
     """Trains the DLRM (and, unless `--wide-fields 0`, the wide model) fed by each of
     `args.systems`, interleaved, and prints and returns the summary."""
     set_threads(args.threads)
-    classes = system_classes(args.threads)
-    names = tuple(name for name in E2E_NAMES if name in args.systems)
+    classes = system_classes()
+    names = tuple(name for name in E2E_NAMES if name in args.systems
+                  and (name != "hybridrec_pipelined" or args.threads >= 2))  # it needs a thread of its own
     top_mlp_input = build_dlrm(shape, args.num_dense).interaction_dim
     summary = measure_model(args, shape, plan, build_dlrm, names, classes,
                             {"num_dense": args.num_dense, "model": "dlrm",

@@ -3,11 +3,12 @@ and the embedding pipeline of the pipelined local step (`train.threads`, `train.
 
 `threads: auto` is every CPU this process may use for a one-process job (the local placement),
 and 1 per trainer for a job of several processes, which share the machine with each other and
-with PS servers. The pipelined step runs when `pipeline` is true, or, with `auto`, when the
-placement is local and there are at least 2 threads. Its thread then does all embedding work
-with `embedding` numba threads (1), and torch keeps `dense` = all `threads` for its own, so the
-dense step, the critical path, runs on as many threads as without the pipeline; the embedding
-thread shares the cores with it.
+with PS servers. Torch's intra-op threads and the plain step's numba kernels both get all
+`threads`: the plain step runs its embedding kernels and its dense step one after the other,
+each on every core. The pipelined step runs when `pipeline` is true (local placement only). Its
+thread then does all embedding work with `embedding` numba threads (1), and torch keeps `dense`
+= all `threads`, so the dense step, the critical path, runs on as many threads as without the
+pipeline, and the embedding thread shares the cores with it.
 """
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ def thread_split(train, placement: str) -> ThreadSplit:
     """The split for the train section `train` of a job whose strategy places embeddings `placement`."""
     local = placement == "local"
     total = (available_cpus() if local else 1) if train.threads == "auto" else train.threads
-    pipelined = train.pipeline if train.pipeline != "auto" else local and total >= 2
-    if pipelined and not local:
+    if train.pipeline and not local:
         raise ConfigError(f"train.pipeline is true, but strategy.placement is {placement!r}: the pipelined step is "
-                          f"the local placement's (allowed: true with placement local; auto or false otherwise)")
-    return ThreadSplit(total, total, 1 if pipelined else 0)
+                          f"the local placement's (allowed: true with placement local; false otherwise)")
+    return ThreadSplit(total, total, 1 if train.pipeline else 0)
