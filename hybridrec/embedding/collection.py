@@ -252,9 +252,9 @@ def _shared_rows(before: Lookup, after: Lookup) -> int:
 @dataclasses.dataclass
 class LookedAhead:
     """A training batch's rows, looked up (keys inserted) ahead of its step by
-    `EmbeddingCollection.look_ahead` and pooled by `pool_ahead`. The tensor `attach` makes records its gradient here in
-    backward, and `apply_ahead` applies it later, so the lookup and the update may run on another
-    thread than the dense step."""
+    `EmbeddingCollection.look_ahead` and pooled by `pool_ahead`. The tensor `attach` makes
+    records its gradient here in backward, and `apply_ahead` applies it later, so the lookup and
+    the update may run on another thread than the dense step."""
 
     passes: object  # the _GroupPass, or the _TablePass of each table
     outputs: list  # numpy arrays, one per group of features, pooled by pool_ahead
