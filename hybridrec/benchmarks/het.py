@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import JobFailed, check_config_and_plot, run_job as launch_job
 from hybridrec.benchmarks.timing import positive_int
 
@@ -294,26 +295,19 @@ def print_report(result: dict) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(5.5, 4))
-    styles = {"lru": ("o", "-", 7), "lfu": ("s", "-", 9), "light_lfu": ("^", "--", 6)}  # lfu and light lfu may coincide
-    for policy, by_size in result["miss_rate"].items():
-        sizes = [100 * float(s) for s in by_size]
-        marker, line, size = styles.get(policy, ("o", "-", 7))
-        axis.plot(sizes, list(by_size.values()), marker=marker, linestyle=line, markersize=size,
-                  label=f"{policy} ({result['ns_per_read'][policy]:.0f} ns/read)")
-    axis.set_xlabel("cache size (% of each table's distinct training keys)")
-    axis.set_ylabel("miss rate")
-    axis.set_title(f"bench het: {Path(result['settings']['config']).name}, 2 trainers' key streams", fontsize=9)
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with png_figure(path, figsize=(5.5, 4)) as (figure, axis):
+        # lfu and light lfu may coincide, so their markers differ in shape and size
+        styles = {"lru": ("o", "-", 7), "lfu": ("s", "-", 9), "light_lfu": ("^", "--", 6)}
+        for policy, by_size in result["miss_rate"].items():
+            sizes = [100 * float(s) for s in by_size]
+            marker, line, size = styles.get(policy, ("o", "-", 7))
+            axis.plot(sizes, list(by_size.values()), marker=marker, linestyle=line, markersize=size,
+                      label=f"{policy} ({result['ns_per_read'][policy]:.0f} ns/read)")
+        axis.set_xlabel("cache size (% of each table's distinct training keys)")
+        axis.set_ylabel("miss rate")
+        axis.set_title(f"bench het: {Path(result['settings']['config']).name}, 2 trainers' key streams", fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import (JobFailed, _fmt, _median, check_config_and_plot, run_variants,
                                          summarize_variant)
 from hybridrec.benchmarks.timing import positive_int
@@ -173,28 +174,20 @@ def print_codecs(codecs: dict, groups: int, trainers: int) -> None:
 
 
 def plot(report: dict, names: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    base = dict(report[names[0]]["curve"])
-    for name in names:
-        curve = [(s, loss / base[s] - 1) for s, loss in report[name]["curve"] if base.get(s)]
-        left.plot([s for s, _ in curve], [100 * v for _, v in curve], marker=".", label=name)
-    left.set_xlabel("leader's training step")
-    left.set_ylabel(f"training logloss relative to {names[0]} (%)")
-    left.set_title("relative loss over the run (lower is better)")
-    left.grid(alpha=0.3)
-    left.legend()
-    right.bar(names, [report[n]["samples_per_s"] or 0 for n in names])
-    right.set_title("training samples/s (median)")
-    figure.suptitle(f"bench ht: {report['settings']['trainers']} trainers, {report['settings']['runs']} job(s) "
-                    f"per variant, {report['settings']['config']}", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with png_figure(path, 1, 2, figsize=(10, 4)) as (figure, (left, right)):
+        base = dict(report[names[0]]["curve"])
+        for name in names:
+            curve = [(s, loss / base[s] - 1) for s, loss in report[name]["curve"] if base.get(s)]
+            left.plot([s for s, _ in curve], [100 * v for _, v in curve], marker=".", label=name)
+        left.set_xlabel("leader's training step")
+        left.set_ylabel(f"training logloss relative to {names[0]} (%)")
+        left.set_title("relative loss over the run (lower is better)")
+        left.grid(alpha=0.3)
+        left.legend()
+        right.bar(names, [report[n]["samples_per_s"] or 0 for n in names])
+        right.set_title("training samples/s (median)")
+        figure.suptitle(f"bench ht: {report['settings']['trainers']} trainers, {report['settings']['runs']} job(s) "
+                        f"per variant, {report['settings']['config']}", fontsize=9)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -46,6 +46,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.timing import positive_int
 from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
 
@@ -361,35 +362,28 @@ def run_benchmark(args: argparse.Namespace, points: Sequence = (None,)) -> list[
 
 def plot(reports: Sequence[dict], path: str, codecs: bool) -> None:
     """One PNG of the sweep: per variant, the median and min-max of two metrics at each point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [codec_name(*c) for c in CODECS] if codecs else list(DISCIPLINES)
     panels = ([("samples_per_s", "training samples/s"), ("bytes_per_sample", "payload bytes per sample")] if codecs
               else [("auc", "test AUC"), ("samples_per_s", "training samples/s")])
     labels = [r["bandwidth"] or ("unshaped" if r.get("emulation") else "loopback") for r in reports]
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    for axis, (key, title) in zip(axes, panels):
-        for j, name in enumerate(names):
-            x = [i + (j - (len(names) - 1) / 2) * 0.12 for i in range(len(reports))]
-            values = [spread([run.get(key) for run in r[name]["runs"]]) for r in reports]
-            medians = [v["median"] for v in values]
-            errors = [[m - v["min"] for m, v in zip(medians, values)], [v["max"] - m for m, v in zip(medians, values)]]
-            axis.errorbar(x, medians, yerr=errors, marker="o", capsize=4, label=name)
-        axis.set_xticks(range(len(reports)), labels)
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-    axes[0].legend()
-    settings = reports[0]["settings"]
-    jobs = "/".join(dict.fromkeys(str(len(r[names[0]]["runs"])) for r in reports))  # per point, when they differ
-    where = (reports[0].get("emulation") or "loopback") if len(reports) == 1 else f"{len(reports)} link rates"
-    figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainer(s), {where}; "
-                    f"median and min-max of {jobs} job(s)", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with png_figure(path, 1, len(panels), figsize=(5 * len(panels), 4)) as (figure, axes):
+        for axis, (key, title) in zip(axes, panels):
+            for j, name in enumerate(names):
+                x = [i + (j - (len(names) - 1) / 2) * 0.12 for i in range(len(reports))]
+                values = [spread([run.get(key) for run in r[name]["runs"]]) for r in reports]
+                medians = [v["median"] for v in values]
+                errors = [[m - v["min"] for m, v in zip(medians, values)],
+                          [v["max"] - m for m, v in zip(medians, values)]]
+                axis.errorbar(x, medians, yerr=errors, marker="o", capsize=4, label=name)
+            axis.set_xticks(range(len(reports)), labels)
+            axis.set_title(title)
+            axis.grid(alpha=0.3)
+        axes[0].legend()
+        settings = reports[0]["settings"]
+        jobs = "/".join(dict.fromkeys(str(len(r[names[0]]["runs"])) for r in reports))  # per point, when they differ
+        where = (reports[0].get("emulation") or "loopback") if len(reports) == 1 else f"{len(reports)} link rates"
+        figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainer(s), {where}; "
+                        f"median and min-max of {jobs} job(s)", fontsize=9)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -45,6 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import check_config_and_plot
 from hybridrec.benchmarks.timing import positive_int
 
@@ -226,30 +227,22 @@ def scaling_checks(fields: dict) -> dict:
 
 
 def plot(fields: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     counts = sorted(int(f) for f in fields)
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for name, marker in (("sharded", "s"), ("picasso", "o")):
-        values = [fields[str(f)].get(name) for f in counts]
-        axis.plot(counts, values, marker=marker, label=name)
-        if _finite(values[0]):
-            axis.plot(counts, [values[0] * counts[0] / f for f in counts], linestyle=":", color=axis.lines[-1].get_color(),
-                      label=f"{name}: arithmetic progression")
-    axis.set_xscale("log", base=2)
-    axis.set_yscale("log")
-    axis.set_xticks(counts, [str(c) for c in counts])
-    axis.set_xlabel("categorical fields")
-    axis.set_ylabel("training samples/s")
-    axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=8)
-    axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    with png_figure(path, figsize=(6, 4)) as (figure, axis):
+        for name, marker in (("sharded", "s"), ("picasso", "o")):
+            values = [fields[str(f)].get(name) for f in counts]
+            axis.plot(counts, values, marker=marker, label=name)
+            if _finite(values[0]):
+                axis.plot(counts, [values[0] * counts[0] / f for f in counts], linestyle=":",
+                          color=axis.lines[-1].get_color(), label=f"{name}: arithmetic progression")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(counts, [str(c) for c in counts])
+        axis.set_xlabel("categorical fields")
+        axis.set_ylabel("training samples/s")
+        axis.grid(alpha=0.3, which="both")
+        axis.legend(fontsize=8)
+        axis.set_title(title, fontsize=9)
 
 
 def print_report(report: dict) -> None:
