@@ -73,9 +73,10 @@ def global_batches(cfg_data: dict, world_size: int, steps: int = STEPS) -> list:
     raise AssertionError("not enough rows")
 
 
-def train_steps(cfg_data: dict, world: World, batches: list, on_step=None) -> dict:
-    """Train on `batches` (this trainer's parts) step by step as the loop does; the final dense
-    parameters and this trainer's embedding rows {table: {key: (weights, state)}}."""
+def train_steps(cfg_data: dict, world: World, batches: list, on_step=None, finish=None) -> dict:
+    """Train on `batches` (this trainer's parts) step by step as the loop does, then call
+    `finish(placement)` if given; the final dense parameters and this trainer's embedding rows
+    {table: {key: (weights, state)}}."""
     cfg = parse_config(cfg_data)
     seed_everything(cfg.seed, 1, True)
     tables = job_tables(cfg)
@@ -96,6 +97,8 @@ def train_steps(cfg_data: dict, world: World, batches: list, on_step=None) -> di
                 on_step(index, placement)
     finally:
         connection.close()
+    if finish is not None:
+        finish(placement)
     out = {"dense": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
            "rows": rows_of(placement), "facts": placement.facts()}
     placement.close()
@@ -198,31 +201,16 @@ def _hot_task(rank: int, size: int, cfg_datas: tuple) -> list:
 
 def _write_checkpoint_task(rank: int, size: int, payload: tuple) -> dict:
     cfg_data, directory = payload
-    world = World(rank, size)
-    cfg = parse_config(cfg_data)
-    seed_everything(cfg.seed, 1, True)
-    tables = job_tables(cfg)
-    strategy = build_strategy(cfg, tables, world)
-    placement = strategy.placement
-    model = dense_model(cfg, tables)
-    dense = strategy.dense(model)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-    connection = placement.connect()
-    for index, batch in enumerate(_my_batches(cfg_data, rank, size)):
-        ready = ReadyBatch(index, batch, connection.lookup(batch, train=True), 0)
-        dense.begin_step()
-        inputs, _, _ = forward_backward(placement, dense, ready, loss_fn, torch.device("cpu"))
-        connection.update(ready.looked, inputs.gradients())
-        dense.finish_step()
-    connection.close()
-    placement.stage(Path(directory).parent, 1)
-    dist.barrier()
-    if rank == 0:
-        placement.save(Path(directory))
-    dist.barrier()
-    rows = rows_of(placement)
-    placement.close()
-    return {"rows": rows}
+
+    def write_checkpoint(placement) -> None:
+        placement.stage(Path(directory).parent, 1)
+        dist.barrier()
+        if rank == 0:
+            placement.save(Path(directory))
+        dist.barrier()
+
+    trained = train_steps(cfg_data, World(rank, size), _my_batches(cfg_data, rank, size), finish=write_checkpoint)
+    return {"rows": trained["rows"]}
 
 
 TASKS = {"train": _train_task, "hot": _hot_task, "write": _write_checkpoint_task}
