@@ -40,16 +40,20 @@ def write_config(tmp_path: Path, **train) -> Path:
     return path
 
 
-def start_launch(config: Path, log: Path, *extra: str, ps: int = 2, trainers: int = 2) -> subprocess.Popen:
+def start_launch(config: Path, log: Path, *extra: str, ps: int = 2, trainers: int = 2, embedding_workers: int = 1,
+                 seconds: int = JOB_SECONDS) -> subprocess.Popen:
+    """`hybridrec launch` of `config` in its own session, its output to `log`, bounded by `seconds`."""
     command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", str(ps),
-               "--embedding-workers", "1", "--trainers", str(trainers), "--overwrite", "--timeout", str(JOB_SECONDS),
-               *extra]
+               "--embedding-workers", str(embedding_workers), "--trainers", str(trainers), "--overwrite",
+               "--timeout", str(seconds), *extra]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def finish(process: subprocess.Popen, log: Path) -> int:
+def finish(process: subprocess.Popen, log: Path, seconds: int = JOB_SECONDS) -> int:
+    """The launcher's exit code; it fails the test, killing the launcher, if it outlives its own
+    `--timeout` of `seconds` by a minute."""
     try:
-        return process.wait(JOB_SECONDS + 60)
+        return process.wait(seconds + 60)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)

@@ -3,19 +3,15 @@ workers), started by `hybridrec launch`: the `het` preset converges with its cac
 reads, and a trainer killed mid-training costs only its unflushed cache: the group restarts from
 the last checkpoint (written after a flush) and finishes the epoch."""
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-import pytest
-
 from test_distributed import (LEARNT_GAP, kill_a_trainer_after_a_checkpoint, no_role_left,  # noqa: E402
-                              steps_of_one_epoch)
+                              start_launch, steps_of_one_epoch)
+from test_distributed import finish as finish_launch  # noqa: E402
 
 # bound on one job: every role compiles its kernels first when the numba cache is cold (any source
 # change), which on a small, shared machine takes minutes
@@ -42,18 +38,12 @@ def write_config(tmp_path: Path, het: dict, **train) -> Path:
 
 
 def start(config: Path, log: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ps", "2", "--embedding-workers", "0",
-               "--trainers", "2", "--overwrite", "--timeout", str(JOB_SECONDS), *extra]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    """The HET job on 2 PS and 2 trainers, with no embedding worker (its trainers reach the PS directly)."""
+    return start_launch(config, log, *extra, embedding_workers=0, seconds=JOB_SECONDS)
 
 
 def finish(process: subprocess.Popen, log: Path) -> int:
-    try:
-        return process.wait(JOB_SECONDS + 60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-        pytest.fail("the launcher outlived its own --timeout:\n" + log.read_text()[-3000:])
+    return finish_launch(process, log, JOB_SECONDS)
 
 
 def test_two_trainers_two_ps_converge_with_the_het_preset(tmp_path):
