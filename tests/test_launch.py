@@ -1,8 +1,8 @@
 """Tests of `hybridrec launch` and the supervisor under it, driven by small real Python processes
 as roles: unrecoverable deaths tear the job down, a SIGKILLed service comes back, every line is
-prefixed and none is lost, SIGINT / --timeout stop whole process trees, and the command refuses
-configs and counts it cannot run. (The end-to-end job with real PS / embedding workers / trainers is
-tested where those programs live.)"""
+prefixed and none is lost, SIGINT / --timeout stop whole process trees, the command refuses
+configs and counts it cannot run, and the torchrun rendezvous never gets a server's port. (The
+end-to-end job with real PS / embedding workers / trainers is tested where those programs live.)"""
 import os
 import select
 import signal
@@ -17,8 +17,9 @@ import pytest
 
 from hybridrec.cli import main
 from hybridrec.embedding.memory import shm_path
-from hybridrec.parallel.launch import (build_roles, launch, new_job_id, ps_shm_name, remove_dead_jobs_shared_memory,
-                                       remove_shared_memory)
+from hybridrec.parallel import launch as launch_module
+from hybridrec.parallel.launch import (build_roles, free_ports, launch, new_job_id, ps_shm_name,
+                                       remove_dead_jobs_shared_memory, remove_shared_memory)
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT, Role, Supervisor
 
 PY = sys.executable
@@ -334,3 +335,28 @@ def test_launch_refuses_bad_counts_before_starting_anything(tmp_path, capsys, fl
     config.write_text("strategy:\n  preset: persia\n")
     assert main(["launch", str(config), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ports_drawn_later_skip_the_ones_drawn_before(monkeypatch):
+    """The kernel may hand a released port out again; the rendezvous port is drawn after the
+    servers' ports were released, and must not be one of them (the torchrun agent would dial a
+    PS server instead of its store)."""
+    handed_out = iter([7001, 7002, 7001, 7002, 7003])
+
+    class ReusingSocket:
+        def __init__(self, *args):
+            self.port = None
+
+        def bind(self, address):
+            self.port = next(handed_out)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(launch_module.socket, "socket", ReusingSocket)
+    servers = free_ports(2)
+    assert servers == [7001, 7002]
+    assert free_ports(1, exclude=set(servers)) == [7003]

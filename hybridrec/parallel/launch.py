@@ -43,15 +43,19 @@ PS_READY = "hybridrec-ps listening on "
 EMBEDDING_WORKER_READY = "hybridrec-embedding-worker listening on "
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that were free a moment ago (all bound at once, then released)."""
-    sockets = []
+def free_ports(count: int, host: str = "127.0.0.1", exclude=()) -> list[int]:
+    """`count` distinct ports that were free a moment ago (all bound at once, then released), none
+    of them in `exclude`: ports drawn earlier are released too, and the kernel may hand them out
+    again."""
+    sockets, ports = [], []
     try:
-        for _ in range(count):
+        while len(ports) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+            s.bind((host, 0))
+            if s.getsockname()[1] not in exclude:  # an excluded port stays bound, so it is not drawn again
+                ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in sockets:
             s.close()
@@ -229,7 +233,8 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int,
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # what clients dial
         bind, dial = {name: host for name in servers}, {name: connect_host for name in servers}
         ports = dict(zip(servers, free_ports(len(servers), host)))
-        nodes = [("nn", 1, ["--rdzv-endpoint", f"127.0.0.1:{free_ports(1, '127.0.0.1')[0]}"], trainers, None)]
+        rendezvous = free_ports(1, "127.0.0.1", exclude=set(ports.values()))[0]  # not a server's port
+        nodes = [("nn", 1, ["--rdzv-endpoint", f"127.0.0.1:{rendezvous}"], trainers, None)]
     else:
         bind = dial = {name: hosts.address(name) for name in servers}
         ports = dict(zip(servers, hosts.server_ports(len(servers))))
