@@ -112,7 +112,7 @@ def cmd_serve_ps(args) -> int:
 
 
 def cmd_embedding_worker(args) -> int:
-    from hybridrec.ps.embedding_worker import main as worker_main
+    from hybridrec.persia.embedding_worker import main as worker_main
 
     return worker_main(args.rest, prog="hybridrec embedding-worker") or 0
 
@@ -137,7 +137,7 @@ def cmd_launch(args) -> int:
 
 def cmd_plan(args) -> int:
     from hybridrec.config import load_config
-    from hybridrec.strategy.operator_placement import plan_for_config
+    from hybridrec.hierarchical.operator_placement import plan_for_config
 
     plan = plan_for_config(load_config(args.config, args.set), args.group_ps)
     print(json.dumps(plan.to_json()) if args.json else plan.format())

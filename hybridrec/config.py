@@ -520,7 +520,7 @@ class JobConfig(_Section):
     def _substitutable(self):
         """The des dense sync substitutes the first layers of a few models exactly; others are refused."""
         if self.strategy.dense == "des":
-            from hybridrec.models.substitution import des_refusal
+            from hybridrec.des.substitution import des_refusal
 
             reason = des_refusal(self.model.name, self.model.hparams)
             if reason:

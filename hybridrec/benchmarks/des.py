@@ -126,7 +126,7 @@ def dense_parameters(config: str, overrides: list[str]) -> int:
 def partial_width(config: str, overrides: list[str]) -> int:
     from hybridrec.config import load_config
     from hybridrec.job.tables import job_dense_model, job_tables
-    from hybridrec.models.substitution import SubstitutedModel
+    from hybridrec.des.substitution import SubstitutedModel
 
     cfg = load_config(config, overrides)
     return SubstitutedModel(job_dense_model(cfg, job_tables(cfg)), [0]).partial_width

@@ -19,7 +19,7 @@ of its cache figures; medians over `--runs` jobs per variant, interleaved.
 
 Miss rates (HET Figure 8): the training key stream of each trainer (each batch's distinct keys
 per table, exactly what a job's cache reads) is replayed through the cache kernels a job uses
-(`hybridrec.embedding.cache_table`) for LRU, LFU and light LFU at 3, 5, 10 and 15% of each
+(`hybridrec.het.cache`) for LRU, LFU and light LFU at 3, 5, 10 and 15% of each
 table's distinct training keys. A miss depends only on the order of the keys and the policy,
 not on clocks or values, so the replay gives what a job's cache would see, without the job
 (invalidations are not misses: an entry that fails a bound stays cached). The kernels' time per
@@ -128,7 +128,7 @@ def cache_rows(streams, distinct: dict[str, int], fraction: float) -> tuple[dict
 
 def replay(streams, rows: dict[str, int], policy: str, light_threshold: int = 10) -> tuple[int, int, float]:
     """(misses, reads, kernel seconds) of every trainer's stream through its own caches."""
-    from hybridrec.embedding.cache_table import MISS, CacheTable
+    from hybridrec.het.cache import MISS, CacheTable
 
     misses = reads = 0
     seconds = 0.0

@@ -81,7 +81,7 @@ def _service_main(argv: Sequence[str]) -> int:
     if command == "serve-ps":
         from hybridrec.ps.server import main
     elif command == "embedding-worker":
-        from hybridrec.ps.embedding_worker import main
+        from hybridrec.persia.embedding_worker import main
     else:
         raise ValueError(f"a Ray service runs serve-ps or embedding-worker, not {command!r}")
     return main(rest, prog=f"hybridrec {command}") or 0

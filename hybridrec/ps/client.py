@@ -155,7 +155,7 @@ class PSClient:
     @property
     def shards(self) -> list[Client]:
         """The transport client of each shard, in shard order (for operations this class does
-        not wrap, such as HET's in `hybridrec.ps.clocks`)."""
+        not wrap, such as HET's in `hybridrec.het.clocks`)."""
         return list(self._clients)
 
     def tables(self) -> list[str]:

@@ -25,7 +25,7 @@ Operations (see `hybridrec.comm.transport` for the wire format):
               the dense params by directory/dense (none there: no dense params)
   shutdown    stop after replying
   het_sync, worker_clock: HET's write-backs, fetches and clock-only checks in one request, and
-              SSP's worker clocks (`hybridrec.ps.clocks`)
+              SSP's worker clocks (`hybridrec.het.clocks`)
 
 Limits: a request carries at most `max_keys_per_request` keys (all its tables together) and
 its frames at most what that many rows, or the job's whole dense model, take; `dense_init`
@@ -65,7 +65,7 @@ from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.ps.client import part_arrays, split_parts
-from hybridrec.ps.clocks import ClockOps
+from hybridrec.het.clocks import ClockOps
 from hybridrec.ps.dense import DenseStore
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore

@@ -12,7 +12,7 @@ import importlib
 
 from hybridrec.axes import AXES
 from hybridrec.strategy.consistency.inline import InlineStream
-from hybridrec.strategy.consistency.pipeline import EmbeddingPipeline
+from hybridrec.persia.pipeline import EmbeddingPipeline
 
 
 class Consistency:

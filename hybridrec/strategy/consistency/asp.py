@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 from hybridrec.data.batch import Batch
 from hybridrec.strategy.consistency import Consistency
-from hybridrec.strategy.consistency.pipeline import EmbeddingPipeline
+from hybridrec.persia.pipeline import EmbeddingPipeline
 
 _UNBOUNDED = 1 << 40  # the pipeline's bound on own updates in flight: never reached
 _POLL = 0.1

@@ -1,5 +1,5 @@
 """The het consistency (HET, preset `het`): each trainer reads its embedding rows through a cache
-of its own with per-embedding clock-bounded consistency (`hybridrec.strategy.het_worker`), over
+of its own with per-embedding clock-bounded consistency (`hybridrec.het.worker`), over
 the ps placement's direct route (HET's workers talk to the PS servers, no embedding workers).
 
 The stream runs in the training thread, as Algorithm 1 does: Het.Read of the batch's distinct
@@ -26,11 +26,11 @@ from hybridrec.data.loader import PrefetchLoader
 from hybridrec.embedding.optim import P_LR
 from hybridrec.errors import UserError
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.clocks import HetBackend
+from hybridrec.het.clocks import HetBackend
 from hybridrec.strategy.consistency import Consistency
-from hybridrec.strategy.consistency.pipeline import ReadyBatch
-from hybridrec.strategy.het_worker import HetWorker, TableSpec
-from hybridrec.strategy.inputs import Pulled
+from hybridrec.persia.pipeline import ReadyBatch
+from hybridrec.het.worker import HetWorker, TableSpec
+from hybridrec.embedding.inputs import Pulled
 
 SUMMED = ("reads", "hits", "misses", "invalidations", "evictions", "dirty_evictions", "write_backs", "fetches",
           "checks", "flushed", "pins", "vector_bytes", "clock_bytes", "dropped_updates", "requests")

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import PrefetchLoader
-from hybridrec.strategy.consistency.pipeline import ReadyBatch, update_counts
+from hybridrec.persia.pipeline import ReadyBatch, update_counts
 
 
 class InlineStream:

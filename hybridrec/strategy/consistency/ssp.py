@@ -7,7 +7,7 @@ s = `strategy.ssp.staleness`. So no trainer runs more than s iterations ahead of
 lookup sees every update of every iteration before c - s, and s = 0 is BSP: every lookup sees
 every update of every earlier iteration of every trainer.
 
-The clocks live on PS shard 0 (`worker_clock`, hybridrec.ps.clocks); a restarted trainer group
+The clocks live on PS shard 0 (`worker_clock`, hybridrec.het.clocks); a restarted trainer group
 reports under a new generation (torchrun's restart count), which starts the table afresh. This
 trainer's own updates in flight are bounded by s as well (the threaded pipeline's tau).
 """
@@ -19,9 +19,9 @@ from typing import Callable, Iterable
 
 from hybridrec.data.batch import Batch
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.clocks import WorkerClockClient
+from hybridrec.het.clocks import WorkerClockClient
 from hybridrec.strategy.consistency import Consistency
-from hybridrec.strategy.consistency.pipeline import EmbeddingPipeline
+from hybridrec.persia.pipeline import EmbeddingPipeline
 
 _SKIPPED = object()  # what the pusher gets for a batch that was looked up but not trained
 

@@ -18,6 +18,7 @@ import importlib
 import torch
 
 from hybridrec.axes import AXES
+from hybridrec.models.dense_optimizer import optimizer_of
 
 
 class DenseSync:
@@ -34,12 +35,6 @@ class DenseSync:
 
     def close(self) -> None:
         pass
-
-
-def optimizer_of(spec: dict, params) -> torch.optim.Optimizer:
-    """The torch optimizer a train.dense_optimizer section (as a dict: name, lr, weight_decay) names."""
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[spec["name"]]
-    return cls(params, lr=spec["lr"], weight_decay=spec["weight_decay"])
 
 
 def dense_optimizer(cfg, params) -> torch.optim.Optimizer:

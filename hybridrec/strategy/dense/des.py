@@ -1,5 +1,5 @@
 """The des dense sync (DES, Tencent 2019, Algorithm 1): the model's weight-rich first layers are
-replaced by per-trainer sub-operators on the trainer's own fields (hybridrec.models.substitution),
+replaced by per-trainer sub-operators on the trainer's own fields (hybridrec.des.substitution),
 whose partial results are summed by one AllReduce per step; everything after the sums is
 replicated and runs on every trainer on the whole global batch.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrec.config import ConfigError
-from hybridrec.models.substitution import SubstitutedModel
+from hybridrec.des.substitution import SubstitutedModel
 from hybridrec.strategy.dense import DenseSync, dense_optimizer
 
 

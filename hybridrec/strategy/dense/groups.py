@@ -7,7 +7,7 @@ this is the EASGD baseline (hybridrec.strategy.dense.easgd).
 
 With strategy.ht.group_ps = p >= 1 the group's copy lives on its p group PS processes instead,
 which run the layers the operator placement puts on them for all the group's trainers and do
-the elastic averaging themselves (hybridrec.strategy.dense.group_servers); the trainers keep the
+the elastic averaging themselves (hybridrec.hierarchical.group_servers); the trainers keep the
 glue and no parameter.
 
 The job's result is the centre: when every trainer is out of its training loop, each group's
@@ -25,10 +25,10 @@ import torch
 
 from hybridrec.config import ConfigError
 from hybridrec.strategy.dense import DenseSync, dense_optimizer
-from hybridrec.strategy.dense.elastic_sync import CENTRE_OPTIMIZER, ElasticSync
-from hybridrec.strategy.dense.group_servers import GroupServers
-from hybridrec.strategy.dense.shared_copy import SharedCopy
-from hybridrec.strategy.operator_placement import write_plan
+from hybridrec.hierarchical.elastic_averaging import CENTRE_OPTIMIZER, ElasticSync
+from hybridrec.hierarchical.group_servers import GroupServers
+from hybridrec.hierarchical.shared_copy import SharedCopy
+from hybridrec.hierarchical.operator_placement import write_plan
 
 
 def group_shape(world_size: int, groups: int) -> int:

@@ -7,7 +7,7 @@ tables (capacity x dim), and the groups are dealt largest first to the trainer w
 weight so far (ties: the lower rank). DES §5 deals fields by their index modulo N; weighing them
 balances memory when tables differ in size. Each trainer also holds the block of the first
 layer's weights that multiplies its fields (the des dense sync keeps it, see
-hybridrec.models.substitution).
+hybridrec.des.substitution).
 
 How the data reaches the trainers: every trainer reads the whole global batch stream (the rows a
 one-trainer job would read, `whole_batches`), looks up its own fields' IDs only and keeps the

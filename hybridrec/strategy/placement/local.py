@@ -17,7 +17,7 @@ from pathlib import Path
 from hybridrec.config import ConfigError
 from hybridrec.embedding import EmbeddingCollection
 from hybridrec.embedding.checkpoint import load as load_store
-from hybridrec.strategy.inputs import EmbeddingInputs
+from hybridrec.embedding.inputs import EmbeddingInputs
 from hybridrec.strategy.placement import PlacementDefaults
 
 

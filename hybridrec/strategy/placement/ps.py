@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrec.ps.client import PSClient
-from hybridrec.strategy.inputs import EmbeddingInputs, Pulled
+from hybridrec.embedding.inputs import EmbeddingInputs, Pulled
 from hybridrec.strategy.placement import PlacementDefaults
-from hybridrec.strategy.placement.embedding_worker_client import EmbeddingWorkerClient
+from hybridrec.persia.embedding_worker_client import EmbeddingWorkerClient
 
 
 class _Connection:

@@ -14,7 +14,7 @@ on the W*B rows together (DDP averages the dense gradients alike).
 PICASSO's optimisations are switches of `strategy.picasso`:
 - packing (§III-B): D-packing makes one packed lookup of all tables of one dim (a side: deep or
   wide), split by parameter volume (Eq. 1) with `split_packs`; K-packing fuses Unique&Partition
-  and Shuffle&Stitch into single numba kernels (hybridrec.embedding.partition). Without packing
+  and Shuffle&Stitch into single numba kernels (hybridrec.picasso.packing). Without packing
   every table is looked up on its own, with separate unique, route, partition, AllToAll, gather
   and pooling operations, the way a per-feature model-parallel lookup is written.
 - D-interleaving (§III-C): the batch is looked up in `micro_batches` parts; the lookup of part
@@ -48,14 +48,14 @@ import torch.distributed as dist
 
 from hybridrec.embedding import EmbeddingStore
 from hybridrec.embedding import kernels as K
-from hybridrec.embedding import partition as P
+from hybridrec.picasso import packing as P
 from hybridrec.embedding.checkpoint import load_resharded
 from hybridrec.embedding.dedupe import first_seen_unique
 from hybridrec.embedding.hashing import route, route_salt, table_route_id
 from hybridrec.embedding.table import POOLING_MODES
 from hybridrec.embedding.table_arrays import TableArrays
 from hybridrec.ps.client import shard_directory
-from hybridrec.strategy.inputs import EmbeddingInputs
+from hybridrec.embedding.inputs import EmbeddingInputs
 from hybridrec.strategy.placement import PlacementDefaults
 
 SIDES = ("deep", "wide")

@@ -1,0 +1,181 @@
+"""`hybridrec launch --ray`: a tiny Persia job (1 PS, 1 embedding worker, 2 trainers) on a local Ray
+instance of 2 CPUs that this module starts: it converges and leaves no actor or shared memory
+behind; and a PS actor killed mid-run comes back on its shared memory with every update it had
+applied, and the job still takes every step."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray", reason="the Ray tests need hybridrec[ray] (pip install -e '.[ray]')")
+
+from hybridrec.parallel.ray_launch import NAMESPACE  # noqa: E402
+from helpers import finish, steps_of_one_epoch, trained_steps, wait_for
+
+JOB_SECONDS = 240  # bound on one job (the launcher's --timeout; `finish` kills it some time later)
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """A new local Ray instance with 2 CPUs; the jobs attach to it from their own process. Its workers
+    run at normal priority, as in the instance `--ray auto` starts (Ray's default is nice 15)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), _system_config={"worker_niceness": 0})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def write_config(tmp_path: Path, **train) -> Path:
+    config = {
+        "seed": 3,
+        "data": {"format": "synthetic", "batch_size": 256,
+                 "synthetic": {"vocab_size": 300, "zipf_exponent": 1.05, "train_rows": 12_000,
+                               "test_rows": 3_000, "n_dense": 4, "n_categorical": 8, "id_weight_std": 0.6}},
+        "model": {"name": "deepfm", "embedding_dim": 4, "hparams": {"hidden": [16]}},
+        "embedding": {"default": {"capacity": 10_000, "optimizer": {"name": "adagrad", "lr": 0.1}},
+                      "wide": {"optimizer": {"lr": 0.3}}},
+        "train": {"epochs": 1, "dense_optimizer": {"name": "adam", "lr": 0.02}, "log_every": 2,
+                  "progress": False, "output_dir": str(tmp_path / "run"), **train},
+        # the PS is down for a few seconds when it is killed: lookups wait, retry, go on
+        "strategy": {"preset": "persia", "tau": 2, "request_timeout": 10, "retries": 5,
+                     "roles": {"ps_servers": 1, "embedding_workers": 1, "trainers": 2},
+                     "resources": {"ps_servers": {"cpus": 0.25}, "embedding_workers": {"cpus": 0.25},
+                                   "trainers": {"cpus": 0.5}}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_job(config: Path, address: str, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", address, "--overwrite",
+               "--timeout", str(JOB_SECONDS)]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def job_id(log: Path) -> str | None:
+    text = log.read_text()
+    return text.split("[launch] job ", 1)[1].split(" ", 1)[0] if "[launch] job " in text else None
+
+
+def job_actors(job: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and job in a["name"]]
+
+
+def applied_updates(address: str) -> int:
+    """Pushes the PS server has applied, all its tables together (a counter in its shared memory)."""
+    from hybridrec.ps.client import PSClient
+
+    client = PSClient([address], timeout=2.0, retries=0)
+    try:
+        return sum(table["step"] for table in client.stats()[0]["tables"].values())
+    finally:
+        client.close()
+
+
+def test_a_job_on_ray_converges_and_leaves_nothing_behind(tmp_path, ray_address):
+    config, log = write_config(tmp_path), tmp_path / "launch.log"
+    code = finish(start_job(config, ray_address, log), log)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert result["auc"] > 0.65, result  # chance is 0.5; the planted model reaches ~0.86 on this data
+    assert result["step"] == steps_of_one_epoch(config) and result["trainers"] == 2
+    assert result["strategy"]["preset"] == "persia" and result["strategy"]["consistency"] == "bounded"
+    assert result["route"] == "embedding_workers"
+    assert "[ps0] hybridrec-ps listening on" in text and "[ew0] hybridrec-embedding-worker listening on" in text
+    assert "[nn] final " in text
+    job = job_id(log)
+    assert not job_actors(job)
+    assert not list(Path("/dev/shm").glob(f"hybridrec-hybridrec-{job}-ps*"))
+
+
+def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_path, ray_address):
+    config, log = write_config(tmp_path), tmp_path / "launch.log"
+    process = start_job(config, ray_address, log)
+    try:
+        address = wait_for(lambda: next((line.split(" serves at ")[1].split()[0] for line in log.read_text().splitlines()
+                                         if line.startswith("[launch] ps0 serves at ")), None),
+                           JOB_SECONDS, "the PS to serve", log)
+        wait_for(lambda: trained_steps(tmp_path / "run") >= 4, JOB_SECONDS, "4 training steps", log)
+        victim = ray.get_actor(f"hybridrec-{job_id(log)}-ps0", namespace=NAMESPACE)
+        before = applied_updates(f"tcp://{address}")
+        ray.kill(victim, no_restart=False)  # Ray restarts it, on the same node, port and shared memory
+        after = wait_for(lambda: _answer(applied_updates, f"tcp://{address}"), 60, "the restarted PS", log)
+        assert after >= before > 0  # every update it had applied (and so acknowledged) is still there
+    finally:
+        code = finish(process, log)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert "ps0 died; Ray restarts it" in text
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert result["step"] == steps_of_one_epoch(config), result
+    assert result["auc"] > 0.6, result
+    assert not job_actors(job_id(log))
+
+
+def _answer(ask, *args):
+    """ask(*args), or None while the server does not answer."""
+    try:
+        return ask(*args)
+    except (TimeoutError, OSError, RuntimeError):
+        return None
+
+
+def run_cli(*args: str, python_prelude: str = "") -> subprocess.CompletedProcess:
+    code = f"{python_prelude}\nimport sys\nfrom hybridrec.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_ray_arguments_are_one_line_with_exit_code_2(tmp_path, ray_address):
+    config = write_config(tmp_path)
+    host = run_cli("launch", str(config), "--ray", ray_address, "--host", "0.0.0.0")
+    assert host.returncode == 2 and host.stderr.strip().splitlines() == [
+        "hybridrec launch: error: --host 0.0.0.0 does not apply with --ray: each role binds its node's address "
+        "(loopback on a one-node cluster)"]
+    too_big = run_cli("launch", str(config), "--ray", ray_address, "--set", "strategy.resources.trainers.cpus=8")
+    assert too_big.returncode == 2, too_big.stderr
+    assert "strategy.resources" in too_big.stderr and "16.5 CPU" in too_big.stderr and "has 2" in too_big.stderr
+    assert "Traceback" not in too_big.stderr
+    without_ray = run_cli("launch", str(config), "--ray", "auto", python_prelude="import sys; sys.modules['ray'] = None")
+    assert without_ray.returncode == 2 and "pip install 'hybridrec[ray]'" in without_ray.stderr
+
+
+def test_a_ray_cluster_across_emulated_hosts_runs_the_job_on_several_nodes(tmp_path):
+    """The multi-node case: a head node and two worker nodes, each in its own emulated host; Ray
+    places the roles on them, the job converges over the shaped links, and no namespace is left."""
+    from hybridrec.parallel.emulated_hosts import check_support, list_namespaces
+
+    try:
+        check_support()
+    except ValueError as why:
+        pytest.skip(f"emulated hosts unavailable here: {why}")
+    config = write_config(tmp_path)
+    log = tmp_path / "launch.log"
+    before = set(list_namespaces())
+    command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", "auto", "--emulate-hosts", "3",
+               "--bandwidth", "1gbit", "--overwrite", "--timeout", str(JOB_SECONDS),
+               # 3 Ray nodes and the roles share this machine's cores: give a first lookup time
+               "--set", "strategy.request_timeout=60"]
+    code = subprocess.run(command, stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=JOB_SECONDS + 400).returncode
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "Ray cluster of 3 nodes" in text
+    serving = set(re.findall(r"serves at (10\.213\.0\.[0-9]+):", text))
+    nodes = set(re.findall(r"serves at [0-9.]+:[0-9]+ \(pid [0-9]+, node ([0-9a-f]+)\)", text))
+    assert serving and len(nodes) == len(serving)  # each node serves on its own host's address
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert result["step"] == steps_of_one_epoch(config)
+    assert result["auc"] > 0.55
+    assert set(list_namespaces()) <= before
+    with pytest.raises(subprocess.CalledProcessError):  # --ray ADDRESS and --emulate-hosts exclude each other
+        subprocess.run([sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", "10.0.0.1:6379",
+                        "--emulate-hosts", "2"], check=True, capture_output=True, timeout=120)
