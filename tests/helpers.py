@@ -191,3 +191,16 @@ def raw_request(address, frames, timeout_ms=5000, key=None):
         return json.loads(dealer.recv_multipart()[0])
     finally:
         dealer.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on loopback (a free port, a temporary directory), stopped after the test;
+    the test skips, saying why, where redis-server or the Redis client is not installed."""
+    from hybridrec.data.stream.redis_server import LocalRedis, redis_server_path
+
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed (scripts/test.sh installs Debian's redis-server)")
+    pytest.importorskip("redis", reason="the Redis client is not installed: pip install 'hybridrec[stream]'")
+    with LocalRedis() as server:
+        yield server

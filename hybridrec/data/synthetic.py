@@ -327,26 +327,34 @@ def _format_tsv(labels, counts, tokens, offsets, out):
 
 
 def write_synthetic(path: str | Path, rows: int, seed: int = 0,
-                    config: SyntheticConfig | str = CRITEO_LIKE) -> TabularSchema:
-    """Writes `rows` synthetic rows to `path` as a headerless TSV in Criteo's layout
-    (label, counts I1.., 8-hex tokens C1.., multi-hot M1.. joined by ','), block by block.
-    With the Criteo-like preset the file is a valid Criteo file. Returns the schema that
-    reads it back (with `DelimitedTextReader`) into the batches `SyntheticReader` yields."""
-    reader = SyntheticReader(config, rows, BLOCK_ROWS, seed=seed)
+                    config: SyntheticConfig | str = CRITEO_LIKE, first_row: int = 0) -> TabularSchema:
+    """Writes `rows` synthetic rows (rows first_row.. of the generator) to `path` as a headerless
+    TSV in Criteo's layout (label, counts I1.., 8-hex tokens C1.., multi-hot M1.. joined by ','),
+    block by block. With the Criteo-like preset the file is a valid Criteo file. Returns the
+    schema that reads it back (with `DelimitedTextReader`) into the batches `SyntheticReader`
+    yields."""
     path = Path(path)
     if path.suffix.lower() in (".parquet", ".pq"):
         raise ValueError(f"write_synthetic writes TSV; got the Parquet path {str(path)!r}")
     with open(path, "wb") as handle:
-        for block in reader.blocks():
-            batch = block.batch
-            if not len(batch):
-                continue
-            width = 2 + 21 * reader.config.n_dense + reader.config.n_sparse
-            out = np.empty(len(batch) * width + 9 * len(block.tokens), dtype=np.uint8)
-            used = _format_tsv(batch.labels[:, 0].astype(np.int64), block.counts,
-                               block.tokens, batch.sparse.offsets, out)
-            handle.write(out[:used].tobytes())
-    return reader.config.schema()
+        for text in synthetic_tsv(rows, seed, config, first_row):
+            handle.write(text)
+    return SyntheticReader(config, rows, BLOCK_ROWS, seed=seed).config.schema()
+
+
+def synthetic_tsv(rows: int, seed: int = 0, config: SyntheticConfig | str = CRITEO_LIKE,
+                  first_row: int = 0) -> Iterator[bytes]:
+    """The lines `write_synthetic` writes, as bytes of whole lines, a generator block at a time."""
+    reader = SyntheticReader(config, rows, BLOCK_ROWS, seed=seed, first_row=first_row)
+    for block in reader.blocks():
+        batch = block.batch
+        if not len(batch):
+            continue
+        width = 2 + 21 * reader.config.n_dense + reader.config.n_sparse
+        out = np.empty(len(batch) * width + 9 * len(block.tokens), dtype=np.uint8)
+        used = _format_tsv(batch.labels[:, 0].astype(np.int64), block.counts,
+                           block.tokens, batch.sparse.offsets, out)
+        yield out[:used].tobytes()
 
 
 def criteo_like(**overrides) -> SyntheticConfig:

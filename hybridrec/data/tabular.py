@@ -239,7 +239,7 @@ class _ShardedReader(abc.ABC):
     def __init__(self, paths, schema: TabularSchema, batch_size: int, *, rank: int = 0,
                  world_size: int = 1, block_rows: int | None = None, strict: bool = False,
                  drop_last: bool = False, max_reported_bad_rows: int = 5,
-                 row_range: tuple[int, int | None] = (0, None)) -> None:
+                 row_range: tuple[int, int | None] = (0, None), on_bad_row=None) -> None:
         if not isinstance(schema, TabularSchema):
             raise TypeError(f"schema must be a TabularSchema, got {type(schema).__name__}")
         check_sharding(batch_size, rank, world_size)
@@ -256,6 +256,7 @@ class _ShardedReader(abc.ABC):
         self.strict = strict
         self.drop_last = drop_last
         self.max_reported_bad_rows = max_reported_bad_rows
+        self.on_bad_row = on_bad_row
         self.bad_rows = BadRows(max_examples=max_reported_bad_rows)
         self.rows_read = 0  # this rank's rows in row_range seen in the latest pass, good or bad
         self.passes = 0
@@ -267,7 +268,14 @@ class _ShardedReader(abc.ABC):
         return rebatch(self._blocks(), self.batch_size, self.drop_last)
 
     def _record(self, found: int, describe) -> None:
-        """Counts bad rows every pass and warns about them in the first pass only."""
+        """Counts bad rows every pass and warns about them in the first pass only; with
+        `on_bad_row`, every bad row is handed to it instead of being logged (its caller reports
+        them, e.g. a stream that reports each bad record once it is past it)."""
+        if self.on_bad_row is not None and not self.strict:
+            for i in range(found):
+                self.on_bad_row(describe(i))
+            self.bad_rows.record(found, describe, self.strict, warn=False)
+            return
         self.bad_rows.record(found, describe, self.strict, warn=self.passes == 1)
 
     @property
@@ -352,7 +360,6 @@ class DelimitedTextReader(_ShardedReader):
 
     def _blocks(self) -> Iterator[Batch]:
         schema = self.schema
-        names = schema.sparse_feature_names
         first_row = 0
         start, stop = self.row_range[0], self._row_stop
         for path in self.paths:
@@ -365,37 +372,53 @@ class DelimitedTextReader(_ShardedReader):
                 for buffer, n in self._complete_lines(handle):
                     if first_row >= stop:
                         return
-                    (labels, dense, id_starts, id_counts, ids, rows, bad,
-                     lines) = kernels.parse_delimited_lines(
-                        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), kinds,
-                        slots, len(schema.labels), len(schema.dense), len(names),
-                        schema.binary_labels, first_row, self.block_rows, self.rank,
-                        self.world_size, start, stop)
-                    self.rows_read += len(rows) + len(bad)
+                    batch, bad, lines = parse_line_buffer(
+                        schema, kinds, slots, buffer, n, first_row, (start, stop), self.block_rows, self.rank,
+                        self.world_size)
+                    self.rows_read += (0 if batch is None else len(batch)) + len(bad)
                     if len(bad):
                         self._record_bad_rows(path, columns, buffer, bad, first_line)
-                    if len(rows):
-                        values, offsets = kernels.row_major_to_feature_major(
-                            id_starts, id_counts, ids)
-                        yield Batch(JaggedFeatures(list(names), values, offsets), dense, labels,
-                                    rows.astype(np.uint64))
+                    if batch is not None:
+                        yield batch
                     first_row += lines
                     first_line += lines
 
     def _record_bad_rows(self, path: Path, columns: list[str], buffer: np.ndarray,
                          bad: np.ndarray, first_line: int) -> None:
-        def describe(i: int) -> BadRow:
-            line, column, code, start, end = (int(x) for x in bad[i])
-            value = bytes(buffer[start:end]).decode("utf-8", errors="replace")
-            if code == kernels.ERROR_COLUMN_COUNT:
-                where = "*"
-                reason = f"expected {len(columns)} columns, found {column}"
-            else:
-                where = f"{column + 1} ({columns[column]})"
-                reason = kernels.ERROR_REASONS[code]
-            return BadRow(str(path), first_line + line, where, value, reason)
+        self._record(len(bad), lambda i: describe_bad_line(str(path), columns, buffer, bad[i], first_line))
 
-        self._record(len(bad), describe)
+
+def parse_line_buffer(schema: TabularSchema, kinds: np.ndarray, slots: np.ndarray, buffer: np.ndarray, n: int,
+                      first_row: int, row_range: tuple[int, int], block_rows: int = 1, rank: int = 0,
+                      world_size: int = 1) -> tuple[Batch | None, np.ndarray, int]:
+    """(batch or None, bad, lines) of the complete lines buffer[:n]: line i is data row
+    first_row + i (its sample id); rows outside row_range or another rank's blocks are skipped;
+    `bad` holds the kernel's (line index, column, code, value start, value end) per rejected row
+    (see `describe_bad_line`). `kinds`, `slots` come from `schema.column_layout`."""
+    names = schema.sparse_feature_names
+    (labels, dense, id_starts, id_counts, ids, rows, bad, lines) = kernels.parse_delimited_lines(
+        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), kinds, slots, len(schema.labels),
+        len(schema.dense), len(names), schema.binary_labels, first_row, block_rows, rank, world_size,
+        row_range[0], row_range[1])
+    if not len(rows):
+        return None, bad, lines
+    values, offsets = kernels.row_major_to_feature_major(id_starts, id_counts, ids)
+    return Batch(JaggedFeatures(list(names), values, offsets), dense, labels, rows.astype(np.uint64)), bad, lines
+
+
+def describe_bad_line(where: str, columns: Sequence[str], buffer: np.ndarray, bad: np.ndarray,
+                      first_line: int) -> BadRow:
+    """The BadRow of one of `parse_line_buffer`'s rejected rows; `first_line` is the number that
+    line index 0 of the buffer has in `where`."""
+    line, column, code, start, end = (int(x) for x in bad)
+    value = bytes(buffer[start:end]).decode("utf-8", errors="replace")
+    if code == kernels.ERROR_COLUMN_COUNT:
+        where_column = "*"
+        reason = f"expected {len(columns)} columns, found {column}"
+    else:
+        where_column = f"{column + 1} ({columns[column]})"
+        reason = kernels.ERROR_REASONS[code]
+    return BadRow(where, first_line + line, where_column, value, reason)
 
 
 class ParquetReader(_ShardedReader):

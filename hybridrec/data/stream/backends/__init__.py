@@ -1,0 +1,1 @@
+"""Stream backends, one module each (named after the backend); see hybridrec/data/stream/source.py."""
