@@ -24,6 +24,10 @@ BENCHMARKS = {
     "des": ("hybridrec.benchmarks.des", "DES vs the Persia preset: AUC, samples/s, bytes per step by batch size"),
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
 }
+# `hybridrec bench` commands that measure nothing
+BENCH_TOOLS = {
+    "report": ("hybridrec.benchmarks.report", "rewrite docs/benchmarks.md's results table from docs/results/"),
+}
 
 
 def _fmt(value) -> str:
@@ -100,8 +104,17 @@ def cmd_models(args) -> int:
 def cmd_bench(args) -> int:
     import importlib
 
+    from hybridrec.benchmarks.results import record_bench, split_record_flag
+
+    if args.name in BENCH_TOOLS:
+        return importlib.import_module(BENCH_TOOLS[args.name][0]).main(args.rest)
     module = importlib.import_module(BENCHMARKS[args.name][0])
-    module.main(args.rest)
+    arguments, label = split_record_flag(args.rest)
+    report = module.main(arguments)
+    if label is not None:
+        path = record_bench(args.name, module, arguments, report, label)
+        print(f"hybridrec bench: recorded {path}; `hybridrec bench report` puts it in docs/benchmarks.md",
+              file=sys.stderr)
     return 0
 
 
@@ -196,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks against peers", description="Benchmarks; each prints ratios "
                        "against peers measured in the same run. Options after the name go to the benchmark "
-                       "(e.g. hybridrec bench embedding --help).")
-    p.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
+                       "(e.g. hybridrec bench embedding --help), and --record[=LABEL] among them writes the "
+                       "result to docs/results/NAME[-LABEL].json (see docs/benchmarks.md, Adding a result).")
+    p.add_argument("name", choices=sorted({**BENCHMARKS, **BENCH_TOOLS}),
+                   help="; ".join(f"{k}: {v[1]}" for k, v in {**BENCHMARKS, **BENCH_TOOLS}.items()))
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
 

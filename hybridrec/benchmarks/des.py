@@ -53,6 +53,7 @@ import tempfile
 from pathlib import Path
 
 from hybridrec.benchmarks.timing import positive_int
+from hybridrec.benchmarks.results import pick
 
 DEFAULT_CONFIG = "configs/des_criteo_sample.yaml"
 DEFAULT_BYTES_CONFIG = "configs/des_synthetic.yaml"
@@ -315,6 +316,20 @@ def print_report(report: dict) -> None:
         print(f"mean saving vs ps {100 * summary['mean_saving_vs_ps']:.1f}% (embedding traffic only: "
               f"{100 * summary['mean_saving_vs_ps_embedding_only']:.1f}%); target >= {100 * PAPER_SAVING:.1f}%: "
               f"{'met' if summary['target_met'] else 'NOT met'}")
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: per model, DES's AUC and bytes per update against PS-async;
+    the mean saving of bytes by batch size against the PS and the sharded placement."""
+    figures = {}
+    for model in report.get("models", {}):
+        figures.update(pick(report["quality_summary"][model], {"AUC DES - PS-async": "auc_des_minus_ps_async",
+                                                               "bytes saved vs PS-async": "bytes_saving"},
+                            f"{model} "))
+    figures.update(pick(report.get("bytes_summary"), {"mean bytes saved vs PS": "mean_saving_vs_ps",
+                                                      "mean bytes saved vs sharded": "mean_saving_vs_sharded",
+                                                      "target met": "target_met"}))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

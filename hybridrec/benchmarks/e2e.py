@@ -34,6 +34,7 @@ import torch
 
 from hybridrec.benchmarks.peers import (ADAGRAD_EPS, ADAGRAD_LR, SYSTEM_CLASSES, EmbeddingSystem, HybridrecSystem,
                                         SystemBase, benchmark_parser, measure_systems)
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import TimingPlan, non_negative_int, positive_int, print_summary, summarize
 from hybridrec.benchmarks.workload import (DenseBatch, SparseBatch, WorkloadShape,
                                            make_dense_batches, make_sparse_batches,
@@ -260,6 +261,18 @@ def compare(args: argparse.Namespace, shape: WorkloadShape, plan: TimingPlan) ->
             print_summary(part, UNIT, tuple(classes), as_json=False,
                           title=f"training ({label}), {args.threads} thread(s)")
     return summary
+
+
+E2E_HEADLINE = {"hybridrec / dense-only floor": "hybridrec_over_dense_only",
+                "hybridrec / TorchRec": "hybridrec_over_torchrec", "hybridrec / torch": "hybridrec_over_torch",
+                "TorchRec / floor": "torchrec_over_dense_only",
+                "hybridrec / pipelined": "hybridrec_over_hybridrec_pipelined",
+                "hybridrec / bf16": "hybridrec_over_hybridrec_bf16"}
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: the paired ratios measured, for DLRM and the wide model."""
+    return {**pick(report, E2E_HEADLINE, "DLRM "), **pick(report["wide"], E2E_HEADLINE, "wide ")}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from hybridrec.benchmarks.peers import EmbeddingSystem, benchmark_parser, compare_systems
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.workload import (SparseBatch, WorkloadShape, make_sparse_batches,
                                            parse_benchmark_arguments)
 
@@ -42,6 +43,12 @@ def embedding_step_runner(system: EmbeddingSystem, batches: list[SparseBatch],
         system.step()
 
     return train_step
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table (docs/benchmarks.md): the paired ratios and the memory per row."""
+    return pick(report, {"hybridrec / torch": "hybridrec_over_torch", "hybridrec / TorchRec": "hybridrec_over_torchrec",
+                         "bytes per row": "bytes_per_row"})
 
 
 def main(argv: list[str] | None = None) -> dict:

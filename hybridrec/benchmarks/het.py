@@ -49,6 +49,7 @@ import numpy as np
 
 from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import JobFailed, check_config_and_plot, run_job as launch_job
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/het_synthetic.yaml"
@@ -308,6 +309,23 @@ def plot(result: dict, path: str) -> None:
         axis.set_title(f"bench het: {Path(result['settings']['config']).name}, 2 trainers' key streams", fontsize=9)
         axis.grid(alpha=0.3)
         axis.legend()
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: the targets at s = 100 (bytes against no cache, AUC
+    against BSP), s = inf's AUC against BSP, the miss rates at a 10% cache and HET's samples/s
+    against no cache."""
+    figures = pick(report.get("targets"), {"s=100 bytes saved vs no cache": "bytes_reduction_vs_no_cache",
+                                           "s=100 AUC - BSP": "auc_minus_bsp"})
+    het, bsp, no_cache = report.get("het", {}), report.get("bsp") or {}, report.get("no_cache") or {}
+    if (het.get("sinf") or {}).get("auc") is not None and bsp.get("auc") is not None:
+        figures["s=inf AUC - BSP"] = het["sinf"]["auc"] - bsp["auc"]
+    if (het.get("s100") or {}).get("samples_per_s") and no_cache.get("samples_per_s"):
+        figures["s=100 / no cache samples/s"] = het["s100"]["samples_per_s"] / no_cache["samples_per_s"]
+    for policy, by_size in (report.get("miss_rate") or {}).items():
+        figures.update(pick(by_size, {f"{policy} miss rate at 10%": "0.1"}))
+    figures.update(pick(report.get("targets"), {"LFU misses at most LRU": "lfu_at_or_below_lru"}))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -33,6 +33,7 @@ from pathlib import Path
 from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import (JobFailed, _fmt, _median, check_config_and_plot, run_variants,
                                          summarize_variant)
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/persia_synthetic.yaml"
@@ -188,6 +189,26 @@ def plot(report: dict, names: list[str], path: str) -> None:
         right.set_title("training samples/s (median)")
         figure.suptitle(f"bench ht: {report['settings']['trainers']} trainers, {report['settings']['runs']} job(s) "
                         f"per variant, {report['settings']['config']}", fontsize=9)
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: each variant's test AUC and late training logloss against
+    the EASGD baseline (the first variant); each wire codec's bytes and AUC against float32."""
+    variants = [name for name in report if name not in ("codecs", "settings")]
+    base = report[variants[0]]["final_logloss"] if variants else None
+    figures = {}
+    for name in variants:
+        figures.update(pick(report[name], {"AUC": "auc"}, f"{name} "))
+        if name != variants[0] and base and report[name]["final_logloss"] is not None:
+            figures[f"{name} late loss / {variants[0]}"] = report[name]["final_logloss"] / base
+    codecs = report.get("codecs") or {}
+    none = codecs.get("none") or {}
+    for name, codec in codecs.items():
+        if name != "none" and none.get("bytes_per_step") and codec["bytes_per_step"] is not None:
+            figures[f"{name} bytes / none"] = codec["bytes_per_step"] / none["bytes_per_step"]
+        if name != "none" and none.get("auc") is not None and codec["auc"] is not None:
+            figures[f"{name} AUC - none"] = codec["auc"] - none["auc"]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

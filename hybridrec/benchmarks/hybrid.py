@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hybridrec.benchmarks.figures import png_figure
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
 
@@ -384,6 +385,27 @@ def plot(reports: Sequence[dict], path: str, codecs: bool) -> None:
         where = (reports[0].get("emulation") or "loopback") if len(reports) == 1 else f"{len(reports)} link rates"
         figure.suptitle(f"bench hybrid{' --codecs' if codecs else ''}: {settings['trainers']} trainer(s), {where}; "
                         f"median and min-max of {jobs} job(s)", fontsize=9)
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: per link rate of a sweep, the disciplines' AUC differences
+    and samples/s ratios against sync, or each codec's bytes and AUC against none/none."""
+    figures = {}
+    for point in report.get("points", [report]):
+        at = f"{point['bandwidth']}: " if point.get("bandwidth") else ""
+        if "target_met" in point:  # --codecs
+            for ids, values in CODECS[1:]:
+                figures.update(pick(point[codec_name(ids, values)],
+                                    {"bytes x fewer": "bytes_reduction_vs_none", "AUC - none": "auc_minus_none",
+                                     "samples/s / none": "samples_per_s_vs_none"}, f"{at}{codec_name(ids, values)} "))
+            figures[f"{at}target met"] = point["target_met"]
+        else:
+            figures.update(pick(point, {"hybrid - sync AUC": "hybrid_minus_sync_auc",
+                                        "async - sync AUC": "async_minus_sync_auc",
+                                        "hybrid / sync samples/s": "hybrid_vs_sync_samples_per_s",
+                                        "async / sync samples/s": "async_vs_sync_samples_per_s"}, at))
+            figures.update(pick(point["sync"], {"sync AUC": "auc"}, at))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

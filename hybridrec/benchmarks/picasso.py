@@ -47,6 +47,7 @@ from pathlib import Path
 
 from hybridrec.benchmarks.figures import png_figure
 from hybridrec.benchmarks.hybrid import check_config_and_plot
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
 DEFAULT_CONFIG = "configs/picasso_synthetic.yaml"
@@ -312,6 +313,25 @@ def run_benchmark(args) -> dict:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     return report
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: the checks (AUC against local, operations saved by
+    packing, samples/s against the plain sharded lookup), bytes against Persia and the largest
+    field count's samples/s against the arithmetic progression."""
+    figures = pick(report.get("checks"), {"picasso - local AUC": "picasso_minus_local_auc",
+                                          "sharded / packed ops per step": "ops_reduction",
+                                          "packed / sharded samples/s": "packed_vs_sharded_samples_per_s",
+                                          "picasso / sharded samples/s": "picasso_vs_sharded_samples_per_s"})
+    figures.update(pick(report.get("picasso"), {"picasso bytes per sample": "bytes_per_sample",
+                                                "hot hit rate": "hot_hit_rate"}))
+    figures.update(pick(report.get("persia"), {"Persia bytes per sample": "bytes_per_sample"}))
+    for name, check in (report.get("scaling") or {}).items():
+        ratios = check["vs_arithmetic_progression"]
+        if ratios:
+            most = max(ratios, key=int)
+            figures[f"{name} at {most} fields / arithmetic progression"] = ratios[most]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

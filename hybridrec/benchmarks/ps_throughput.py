@@ -19,6 +19,7 @@ import statistics
 
 import numpy as np
 
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import (
     TimingPlan, add_timing_arguments, measure_interleaved, paired_ratio, positive_int,
     single_thread, timing_plan_from_args, warm_up,
@@ -108,6 +109,11 @@ def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
                      ("servers", "server_threads", "dim", "rows", "batch", "codec",
                       "keys_per_request", "seed", "warmup", "batches", "repeats")},
     }
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: the PS's payload rate over the gather's and the store's."""
+    return pick(report, {"PS / gather": "ps_over_gather", "PS / in-process store": "ps_over_store"})
 
 
 def main(argv: list[str] | None = None) -> dict:

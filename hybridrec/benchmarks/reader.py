@@ -22,6 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import (TimingPlan, measure_interleaved, paired_ratio,
                                          positive_int, single_thread, warm_up)
 
@@ -84,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _format_rate(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:,.0f}"
+
+
+def headline(report: dict) -> dict:
+    """The figures of the results table: per file, the reader's rows/s over each pandas engine's."""
+    figures = {}
+    for row in report["files"]:
+        figures.update(pick(row, {"hybridrec / pandas C": "hybridrec_over_pandas_c",
+                                  "hybridrec / pandas pyarrow": "hybridrec_over_pandas_pyarrow"},
+                            f"{Path(row['path']).name}: "))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:

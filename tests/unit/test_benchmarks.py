@@ -20,7 +20,7 @@ from hybridrec.benchmarks.peers import SYSTEM_NAMES, HybridrecSystem, TorchEmbed
 from hybridrec.benchmarks.timing import SystemResult, Throughput, summarize
 from hybridrec.benchmarks.workload import (WorkloadShape, dense_ids_per_field,
                                            make_dense_batches, make_sparse_batches, mix64)
-from hybridrec.cli import BENCHMARKS
+from hybridrec.cli import BENCH_TOOLS, BENCHMARKS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--batch-size", "64", "--fields", "3", "--dim", "4", "--capacity", "2000",
@@ -265,7 +265,7 @@ def test_the_dense_only_system_has_no_lookup_and_no_update():
     torch.testing.assert_close(system.pooled(None).detach(), before)
 
 
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+@pytest.mark.parametrize("name", sorted({**BENCHMARKS, **BENCH_TOOLS}))
 def test_every_bench_mode_has_help_from_the_command_line(name):
     completed = subprocess.run([sys.executable, "-m", "hybridrec.cli", "bench", name, "--help"],
                                capture_output=True, text=True, timeout=120, cwd=REPO)
