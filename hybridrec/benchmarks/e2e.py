@@ -267,7 +267,7 @@ E2E_HEADLINE = {"hybridrec / dense-only floor": "hybridrec_over_dense_only",
                 "hybridrec / TorchRec": "hybridrec_over_torchrec", "hybridrec / torch": "hybridrec_over_torch",
                 "TorchRec / floor": "torchrec_over_dense_only",
                 "hybridrec / pipelined": "hybridrec_over_hybridrec_pipelined",
-                "hybridrec / bf16": "hybridrec_over_hybridrec_bf16"}
+                "hybridrec / bf16": "hybridrec_over_hybridrec_bf16", "bf16 / dense-only floor": "hybridrec_bf16_over_dense_only"}
 
 
 def headline(report: dict) -> dict:

@@ -313,13 +313,14 @@ def plot(result: dict, path: str) -> None:
 
 def headline(report: dict) -> dict:
     """The figures of the results table: the targets at s = 100 (bytes against no cache, AUC
-    against BSP), s = inf's AUC against BSP, the miss rates at a 10% cache and HET's samples/s
+    against BSP), s = 0's and s = inf's AUC against BSP, the miss rates at a 10% cache and HET's samples/s
     against no cache."""
     figures = pick(report.get("targets"), {"s=100 bytes saved vs no cache": "bytes_reduction_vs_no_cache",
                                            "s=100 AUC - BSP": "auc_minus_bsp"})
     het, bsp, no_cache = report.get("het", {}), report.get("bsp") or {}, report.get("no_cache") or {}
-    if (het.get("sinf") or {}).get("auc") is not None and bsp.get("auc") is not None:
-        figures["s=inf AUC - BSP"] = het["sinf"]["auc"] - bsp["auc"]
+    for name in ("s0", "sinf"):
+        if (het.get(name) or {}).get("auc") is not None and bsp.get("auc") is not None:
+            figures[f"s={name[1:]} AUC - BSP"] = het[name]["auc"] - bsp["auc"]
     if (het.get("s100") or {}).get("samples_per_s") and no_cache.get("samples_per_s"):
         figures["s=100 / no cache samples/s"] = het["s100"]["samples_per_s"] / no_cache["samples_per_s"]
     for policy, by_size in (report.get("miss_rate") or {}).items():

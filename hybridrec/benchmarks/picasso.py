@@ -323,6 +323,7 @@ def headline(report: dict) -> dict:
                                           "sharded / packed ops per step": "ops_reduction",
                                           "packed / sharded samples/s": "packed_vs_sharded_samples_per_s",
                                           "picasso / sharded samples/s": "picasso_vs_sharded_samples_per_s"})
+    figures.update(pick(report.get("sharded"), {"sharded bytes per sample": "bytes_per_sample"}))
     figures.update(pick(report.get("picasso"), {"picasso bytes per sample": "bytes_per_sample",
                                                 "hot hit rate": "hot_hit_rate"}))
     figures.update(pick(report.get("persia"), {"Persia bytes per sample": "bytes_per_sample"}))

@@ -1,9 +1,10 @@
 """`hybridrec bench report`: the results table of docs/benchmarks.md, made from docs/results/.
 
 The table sits between two marker lines of the page (BEGIN, END); this command rewrites what is
-between them from the result files (results.py), one row per file in name order: the result
-(linked to the page's `## <bench>` section when there is one), its command, its figures and
-note, and the commit and date it was measured at. `--check` only compares, for tests and CI.
+between them from the result files (results.py), one row per file: the result (linked to the
+page's `## <bench>` section when there is one), its command, its figures and note, and the commit
+and date it was measured at. Rows follow the order of the benches' sections on the page, then
+the result names. `--check` only compares, for tests and CI.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ HEADER = "| result | command | figures | measured at |\n|---|---|---|---|"
 
 
 def format_value(value) -> str:
-    """A figure as the table shows it: integers with thousands separators, floats to 4 significant
-    digits (no exponent for numbers of a thousand or more), None as n/a."""
+    """A figure as the table shows it: integers and numbers of a thousand or more with thousands
+    separators, other floats as written when short (0.72864, 2.0), else to 4 significant digits
+    (a measured 0.91513528 is 0.9151), None as n/a, text as it is."""
     if value is None:
         return "n/a"
     if isinstance(value, bool):
@@ -30,7 +32,10 @@ def format_value(value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        written = repr(value)
+        return written if len(written.lstrip("-0.").replace(".", "")) <= 5 else f"{value:.4g}"
     if isinstance(value, str):
         return value
     return json.dumps(value)
@@ -40,7 +45,7 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _row(result: dict, sections: set[str]) -> str:
+def _row(result: dict, sections: list[str]) -> str:
     name = result["name"]
     title = f"[{name}](#{result['bench']})" if result["bench"] in sections else name
     figures = "; ".join(f"{label} **{format_value(value)}**" for label, value in result["figures"].items())
@@ -50,13 +55,17 @@ def _row(result: dict, sections: set[str]) -> str:
     return f"| {title} | `{_cell(result['command'])}` | {_cell(figures)} | {measured} |"
 
 
-def sections_of(page: str) -> set[str]:
-    """The names of the page's `## name` sections (their anchors are the names)."""
-    return {line[3:].strip() for line in page.splitlines() if line.startswith("## ")}
+def sections_of(page: str) -> list[str]:
+    """The names of the page's `## name` sections in page order (their anchors are the names)."""
+    return [line[3:].strip() for line in page.splitlines() if line.startswith("## ")]
 
 
-def results_table(results: list[dict], sections: set[str] = frozenset()) -> str:
-    return "\n".join([HEADER, *(_row(result, sections) for result in results)])
+def results_table(results: list[dict], sections: list[str] = ()) -> str:
+    """The table's rows in the order of their benches' sections (then by name); results whose bench
+    has no section come last."""
+    order = {name: position for position, name in enumerate(sections)}
+    ranked = sorted(results, key=lambda r: (order.get(r["bench"], len(order)), r["name"]))
+    return "\n".join([HEADER, *(_row(result, sections) for result in ranked)])
 
 
 def regenerate(page: str, results: list[dict], doc_name: str = "the page") -> str:

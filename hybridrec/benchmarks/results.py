@@ -124,10 +124,10 @@ def record_bench(bench: str, module, arguments: Sequence[str], report: dict, lab
 
 
 def load_results(directory: Path) -> list[dict]:
-    """Every result file in `directory`, sorted by name; UserError naming a file that is not a
+    """Every result file in `directory`, in name order; UserError naming a file that is not a
     result."""
     results = []
-    for path in sorted(Path(directory).glob("*.json")):
+    for path in sorted(Path(directory).glob("*.json"), key=lambda p: p.stem):
         try:
             result = json.loads(path.read_text())
         except json.JSONDecodeError as exc:

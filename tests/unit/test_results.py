@@ -105,11 +105,12 @@ def test_the_report_makes_the_table_between_the_markers_from_the_result_files(tm
     table = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip().splitlines()
     commit, today = results.checkout_commit(), datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     assert table[:2] == report.HEADER.splitlines()
-    assert table[2] == ("| e2e-two-threads | `hybridrec bench e2e-two-threads --json` | DLRM hybridrec / floor "
+    # the row of a bench with a section comes first and links to it; one without comes last
+    assert table[2] == ("| [embedding](#embedding) | `hybridrec bench embedding --json` | hybridrec / torch "
+                        "**5.642**; bytes per row **168**; met **yes** | a07ba0c, 2026-11-23, carried over |")
+    assert table[3] == ("| e2e-two-threads | `hybridrec bench e2e-two-threads --json` | DLRM hybridrec / floor "
                         "**0.9151**; samples/s **7,591**; absent **n/a**. load 1-2 \\| one run | "
                         f"{commit}, {today} |")
-    assert table[3] == ("| [embedding](#embedding) | `hybridrec bench embedding --json` | hybridrec / torch "
-                        "**5.642**; bytes per row **168**; met **yes** | a07ba0c, 2026-11-23, carried over |")
     assert len(table) == 4
     assert text.startswith("# Benchmarks\n") and text.endswith("## embedding\n\nHow it is measured.\n")
     assert report.main(["--results", str(directory), "--doc", str(page), "--check"]) == 0
@@ -117,6 +118,11 @@ def test_the_report_makes_the_table_between_the_markers_from_the_result_files(tm
     assert report.main(["--results", str(directory), "--doc", str(page), "--check"]) == 1
     assert "run `hybridrec bench report`" in capsys.readouterr().err
     assert page.read_text() == text  # --check writes nothing
+
+
+def test_figures_are_shown_as_written_when_short_and_to_four_digits_when_measured():
+    assert [report.format_value(v) for v in (0.72864, 2.0, -0.0022, 0.91513528, 1e-07, 7591.4, 12, "1.02 (0.9-1.1)")] \
+        == ["0.72864", "2.0", "-0.0022", "0.9151", "1e-07", "7,591", "12", "1.02 (0.9-1.1)"]
 
 
 def test_the_report_names_what_is_wrong_with_a_page_or_a_result_file(tmp_path):
