@@ -93,6 +93,20 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_data_stream(args) -> int:
+    from hybridrec.data.stream.producer import file_lines, parse_rate, produce, synthetic_lines
+    from hybridrec.errors import UserError
+
+    if (args.source is None) == (args.synthetic is None):
+        raise UserError("hybridrec data stream: give --from FILE or --synthetic N (one of them)")
+    lines = (file_lines(args.source, args.skip_header) if args.source is not None
+             else synthetic_lines(args.synthetic, seed=args.seed, first_row=args.first_row))
+    produced = produce(args.to, lines, parse_rate(args.rate), field_name=args.field, maxlen=args.maxlen)
+    print(f"wrote {produced.count} entries to {args.to} in {produced.seconds:.2f} s"
+          + (f" (IDs {produced.first_id} .. {produced.last_id})" if produced.count else ""))
+    return 0
+
+
 def cmd_models(args) -> int:
     from hybridrec.models import describe_models
 
@@ -189,6 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vocab-size", type=int, default=None, help="distinct IDs per field")
     s.add_argument("--zipf-exponent", type=float, default=None)
     s.set_defaults(func=cmd_data_synth)
+    s = dsub.add_parser("stream", help="write records into a Redis stream (one entry per line)",
+                        description="Write the lines of a data file, or synthetic Criteo-format rows with a planted "
+                                    "model, into a Redis stream as entries {line: ...}: what data.stream.backend "
+                                    "redis reads. Needs the Redis client: pip install 'hybridrec[stream]'.")
+    s.add_argument("--to", required=True, metavar="redis://HOST:PORT/STREAM", help="the stream (created if absent)")
+    s.add_argument("--from", dest="source", metavar="FILE", help="a text data file: one entry per non-blank line")
+    s.add_argument("--skip-header", action="store_true", help="the file's first line is a header: not written")
+    s.add_argument("--synthetic", type=int, metavar="N", help="write N synthetic Criteo-format rows instead")
+    s.add_argument("--seed", type=int, default=0, help="--synthetic: the planted model's seed")
+    s.add_argument("--first-row", type=int, default=0, help="--synthetic: the generator's first row")
+    s.add_argument("--rate", metavar="N/s", help="at most N entries per second (default: as fast as Redis takes them)")
+    s.add_argument("--field", default="line", help="the entry field holding the line (data.stream.line_field)")
+    s.add_argument("--maxlen", type=int, help="trim the stream to about this many entries as it grows")
+    s.set_defaults(func=cmd_data_stream)
 
     p = sub.add_parser("models", help="list the models and their hyper-parameters with defaults",
                        description="Print every model (model.name) with its hyper-parameters (model.hparams), "

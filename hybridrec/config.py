@@ -89,6 +89,8 @@ class DataConfig(_Section):
                                             "rows is the validation set")
     shuffle_buffer: int = Field(0, ge=0, description="training rows mixed by the shuffle buffer; 0 = file order")
     schema_: Optional[SchemaSection] = Field(None, alias="schema")
+    stream: Optional[dict[str, Any]] = Field(None, description="train on a stream without end: {backend: files | "
+                                             "redis, ...} (hybridrec.data.stream); held-out rows from test_path")
     batch_size: int = Field(4096, ge=1, le=1 << 24)
     eval_batch_size: Optional[int] = Field(None, ge=1)
     strict: bool = False
@@ -96,8 +98,19 @@ class DataConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, value):
+        if value is not None:
+            from hybridrec.data.stream import parse_stream_options
+
+            parse_stream_options(value)
+        return value
+
     @model_validator(mode="after")
     def _consistent(self):
+        if self.stream is not None:
+            return self._stream_consistent()
         if self.format != "synthetic" and self.path is None:
             raise ValueError(f"data.path is required for format {self.format!r}")
         if self.format == "tabular" and self.schema_ is None:
@@ -120,6 +133,24 @@ class DataConfig(_Section):
             raise ValueError("data.valid_path and data.valid_fraction exclude each other")
         if self.format == "synthetic" and self.valid_path is not None:
             raise ValueError("data.valid_path is for file formats; synthetic data takes data.valid_fraction")
+        return self
+
+    def _stream_consistent(self):
+        """A stream's records are lines or fields of a file format; its training rows have no
+        end, so held-out rows come from files and nothing splits or shuffles the stream."""
+        if self.format == "synthetic":
+            raise ValueError("data.stream: records of a stream are parsed as data.format criteo, avazu or tabular, "
+                             "not synthetic (`hybridrec data stream --synthetic N` writes synthetic rows as Criteo "
+                             "lines: use format criteo)")
+        if self.format == "tabular" and self.schema_ is None:
+            raise ValueError("data.schema is required for format 'tabular' (labels, dense, categorical, ...)")
+        for key in ("path", "train_rows", "test_fraction", "valid_fraction"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"data.{key} does not go with data.stream: the stream is the training data and "
+                                 f"has no end to split; give held-out rows as data.test_path (and data.valid_path)")
+        if self.shuffle_buffer:
+            raise ValueError("data.shuffle_buffer does not go with data.stream: a stream trains in arrival order "
+                             "(its position in checkpoints is a place in that order)")
         return self
 
     @property
@@ -187,6 +218,16 @@ class TableSection(_Section):
     pooling: Literal["sum", "mean", "sqrtn"] = "sum"
     num_threads: int = Field(1, ge=1, le=256)
     prefault: bool = False
+    expire_after: Optional[dict[str, Union[int, float]]] = Field(
+        None, description="{steps: N} or {seconds: S}: drop a row training has not used for longer (a stream's "
+                          "features come and go); checked every 1/64 of the bound")
+
+    @field_validator("expire_after")
+    @classmethod
+    def _expire_after(cls, v):
+        from hybridrec.embedding.table import parse_expire_after
+
+        return parse_expire_after(v)
 
     @field_validator("init")
     @classmethod
@@ -233,6 +274,10 @@ class TrainConfig(_Section):
     eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = at the end only")
     log_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    checkpoint_every_s: Optional[float] = Field(None, gt=0, description="seconds between checkpoints (also): a "
+                                                "stream's acknowledged position moves with them")
+    window: int = Field(100_000, ge=1, description="samples in the windowed progressive AUC and logloss of a "
+                                                   "stream (train.window)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     output_dir: str = "runs/default"
     threads: Union[int, Literal["auto"]] = Field("auto", description="CPU threads of this process: torch's "
@@ -626,7 +671,7 @@ def parse_config(data: dict, source: str = "<config>", text: str | None = None,
             if err["type"] == "extra_forbidden" and any(w == where for w, _ in problems):
                 continue  # already reported with the closest valid name
             msg = err["msg"].removeprefix("Value error, ")
-            named = re.match(r"((?:strategy|data\.schema)\.\w+):? (.*)", msg, re.S)  # errors naming their own key
+            named = re.match(r"((?:strategy|data\.schema|data\.stream)\.\w+):? (.*)", msg, re.S)  # errors naming their own key
             if named:
                 where, msg = named.groups()
             if err["type"] not in ("value_error", "assertion_error") and "input" in err:

@@ -44,6 +44,8 @@ class Snapshot:
     epoch: int  # lookup calls counted (the stamps in `meta` are these)
     dropped_updates: int
     extra: dict = dataclasses.field(default_factory=dict)
+    expired: int = 0  # rows dropped by expiry
+    expiry_marks: list = dataclasses.field(default_factory=list)  # [[lookup call, step, time]] (store.expire)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in ARRAYS}
@@ -65,6 +67,8 @@ def write(directory, snapshot: Snapshot) -> Path:
         "step": int(snapshot.step),
         "epoch": int(snapshot.epoch),
         "dropped_updates": int(snapshot.dropped_updates),
+        "expired": int(snapshot.expired),
+        "expiry_marks": [[int(e), int(s), float(t)] for e, s, t in snapshot.expiry_marks],
         "size": int(len(snapshot.rows)),
         "extra": snapshot.extra or {},
         "files": {},
@@ -167,4 +171,5 @@ def read(directory, manifest: dict | None = None) -> Snapshot:
     return Snapshot(config=config, nparts=nparts,
                     step=int(manifest["step"]), epoch=int(manifest["epoch"]),
                     dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
-                    **arrays)
+                    expired=int(manifest.get("expired", 0)),
+                    expiry_marks=[tuple(m) for m in manifest.get("expiry_marks", [])], **arrays)

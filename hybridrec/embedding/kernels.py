@@ -49,6 +49,7 @@ FCFG_WIDTH = 8
 
 # scalars[*]: per-store counters
 SC_MAGIC, SC_EPOCH, SC_STEP, SC_DIRTY, SC_DROPPED, SC_INDEX_GEN = 0, 1, 2, 3, 4, 5
+SC_EXPIRED = 6  # rows dropped by expiry (`expire_rows`)
 SCALARS_WIDTH = 16
 
 POLICY_LRU, POLICY_LFU = 0, 1
@@ -133,6 +134,18 @@ def _lru_unlink(r32, meta, parts, p, r):
         r32[nxt, meta + M_PREV] = prv
     else:
         parts[p, PT_TAIL] = prv
+
+
+@njit(cache=True, nogil=True)
+def _lru_relink_moved(r32, meta, parts, p, r):
+    """Row r took over a list member's place (its links copied): its neighbours, or the list's
+    head and tail, point at r from now on."""
+    for link, back, end in ((M_PREV, M_NEXT, PT_HEAD), (M_NEXT, M_PREV, PT_TAIL)):
+        neighbour = r32[r, meta + link]
+        if neighbour >= 0:
+            r32[neighbour, meta + back] = r
+        else:
+            parts[p, end] = r
 
 
 @njit(cache=True, nogil=True)
@@ -770,6 +783,55 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
                 rows[r, d] = min(max(w, -bound), bound)
         r32[r, meta + M_CLOCK] += 1
     return skipped
+
+
+# ---------------------------------------------------------------- expiry
+
+@njit(cache=True, nogil=True)
+def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp):
+    """Drop every live row whose last training use (stamp) is at or before lookup call
+    `last_stamp`; returns how many. A partition's rows stay contiguous: the hole a dropped row
+    leaves takes the partition's last row (its data, metadata, index entry and LRU links move
+    with it), so row numbers change, and no lookup may be in flight across a call."""
+    meta = icfg[IC_META]
+    kcol = meta // 2
+    row_bits = icfg[IC_ROW_BITS]
+    lfu = icfg[IC_POLICY] == POLICY_LFU
+    width = rows.shape[1]
+    dropped = 0
+    for p in range(parts.shape[0]):
+        start = parts[p, PT_ROW_START]
+        s0 = parts[p, PT_SLOT_START]
+        ns = parts[p, PT_SLOT_COUNT]
+        linked = not lfu and parts[p, PT_LRU_KEPT] == 1
+        i = 0
+        while i < parts[p, PT_SIZE]:
+            r = start + i
+            if r32[r, meta + M_STAMP] > last_stamp:
+                i += 1
+                continue
+            key = r64[r, kcol]
+            _index_delete(index, r64, kcol, _probe(index, r64, kcol, key, s0, ns, index_hash(key), row_bits),
+                          s0, ns, row_bits)
+            if linked:
+                _lru_unlink(r32, meta, parts, p, r)
+            last = start + parts[p, PT_SIZE] - 1
+            parts[p, PT_SIZE] -= 1
+            dropped += 1
+            if last == r:
+                continue
+            moved = r64[last, kcol]
+            h = index_hash(moved)
+            slot = _probe(index, r64, kcol, moved, s0, ns, h, row_bits)
+            for j in range(width):
+                rows[r, j] = rows[last, j]
+            for j in range(META_WIDTH):
+                r32[r, meta + j] = r32[last, meta + j]
+            index[slot] = _entry(r, h, row_bits)
+            if linked:
+                _lru_relink_moved(r32, meta, parts, p, r)
+            # row r now holds the moved row: look at it again
+    return dropped
 
 
 # ---------------------------------------------------------------- repair and rebuild

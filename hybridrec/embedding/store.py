@@ -112,6 +112,7 @@ class EmbeddingStore:
             config = dataclasses.replace(config, **fields)
         self.config = config
         self._lock = threading.RLock()
+        self._marks: list[tuple[int, int, float]] = []  # expiry: (lookup call, step, time) at each expire()
         self._arena = Arena(shm_name, create=True)
         self._allocate(create=True)
         self._arena.write_config({"table": config.to_dict(), "magic": _MAGIC})
@@ -173,6 +174,7 @@ class EmbeddingStore:
         self = cls.__new__(cls)
         self.config = TableConfig.from_dict(saved["table"])
         self._lock = threading.RLock()
+        self._marks = []  # kept in process memory: after an attach, expiry starts counting again
         self._arena = arena
         self._allocate(create=False)
         if self.scalars[S_MAGIC] == _MAGIC_UNTAGGED:
@@ -385,6 +387,48 @@ class EmbeddingStore:
             missing = int(np.unique(keys[found.rows < 0]).shape[0])
             return self.apply(found, ugrad) + missing
 
+    # ---------------------------------------------------------------- expiry
+    # Each row's metadata stamps its last training use with the lookup call (epoch) that used it.
+    # `expire` records, at every call, a mark (lookup call, step, time): a row whose stamp is at or
+    # before the mark of step s (time t) was last trained at or before s (t). So the rows unseen
+    # for longer than the bound are those stamped at or before the newest mark old enough.
+
+    MAX_EXPIRY_MARKS = 4096  # past this, every other old mark is forgotten (expiry then acts later)
+
+    def expire(self, step: int, now: float | None = None) -> int:
+        """Drop the rows that training has not used for longer than `config.expire_after`
+        (`{"steps": N}`: in none of the N steps up to and including `step`; `{"seconds": S}`: not
+        since `now - S`), counting them in `stats()["expired"]`; returns how many. Call it
+        between training steps (row numbers of lookups in flight change), with the caller's
+        step count, every step for exact expiry: a row is dropped at the first call that finds
+        it too old, so calls every k steps drop it up to k - 1 steps late."""
+        bound = self.config.expire_after
+        if bound is None:
+            return 0
+        import time
+
+        now = time.time() if now is None else float(now)
+        with self._lock:
+            self._marks.append((int(self.scalars[S_EPOCH]), int(step), now))
+            old_enough = [i for i, (_, s, t) in enumerate(self._marks)
+                          if (s <= step - bound["steps"] if "steps" in bound else t <= now - bound["seconds"])]
+            if not old_enough:
+                self._thin_marks()
+                return 0
+            newest = old_enough[-1]
+            last_stamp = self._marks[newest][0]
+            del self._marks[:newest]
+            self._thin_marks()
+            self.scalars[S_DIRTY] = 1
+            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, last_stamp)
+            self.scalars[S_DIRTY] = 0
+            self.scalars[K.SC_EXPIRED] += dropped
+            return int(dropped)
+
+    def _thin_marks(self) -> None:
+        if len(self._marks) > self.MAX_EXPIRY_MARKS:
+            self._marks = self._marks[:-self.MAX_EXPIRY_MARKS // 2:2] + self._marks[-self.MAX_EXPIRY_MARKS // 2:]
+
     # ---------------------------------------------------------------- clocks (HET's c_g)
     # Each row's metadata holds its clock: the number of updates applied to it (a plain `push` or
     # `apply` adds one), a Lamport clock in HET's sense. It lives in `meta`, so it is in every
@@ -472,7 +516,8 @@ class EmbeddingStore:
             return Snapshot(config=self.config, nparts=self.nparts, rows=self.rows[live], meta=self.meta[live],
                             parts=self.parts.copy(), sketch=self.sketch.copy(), step=int(self.scalars[S_STEP]),
                             epoch=int(self.scalars[S_EPOCH]), dropped_updates=int(self.scalars[S_DROPPED]),
-                            extra=dict(extra or {}))
+                            extra=dict(extra or {}), expired=int(self.scalars[K.SC_EXPIRED]),
+                            expiry_marks=list(self._marks))
 
     def restore(self, snapshot: Snapshot, source: str = "snapshot") -> None:
         """Fill this store, which must be empty, with `snapshot` and its counters. With the
@@ -502,6 +547,8 @@ class EmbeddingStore:
             self.scalars[S_STEP] = snapshot.step
             self.scalars[S_EPOCH] = max(int(self.scalars[S_EPOCH]), snapshot.epoch)
             self.scalars[S_DROPPED] = snapshot.dropped_updates
+            self.scalars[K.SC_EXPIRED] = snapshot.expired
+            self._marks = [(int(e), int(s), float(t)) for e, s, t in snapshot.expiry_marks]
 
     def insert_rows(self, rows: np.ndarray, meta: np.ndarray) -> None:
         """Insert saved rows: `rows` [n, row_width] (embedding and optimizer state) with their
@@ -586,6 +633,7 @@ class EmbeddingStore:
             "evicted": int(p[:, K.PT_EVICTED].sum()),
             "rejected": int(p[:, K.PT_REJECTED].sum()),
             "dropped_updates": int(self.scalars[S_DROPPED]),
+            "expired": int(self.scalars[K.SC_EXPIRED]),
             "memory_bytes": self.memory_bytes(),
             "bytes_per_row": self.memory_bytes() / self.config.capacity,
             "shm_name": self._arena.name,

@@ -69,6 +69,19 @@ def parse_init(spec) -> dict:
     return out
 
 
+def parse_expire_after(spec) -> dict | None:
+    """None, or {"steps": N} / {"seconds": S}: how long a row may go unseen before it is dropped."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in ("steps", "seconds"):
+        raise ValueError(f"expire_after: must be {{steps: N}} or {{seconds: S}} (how long a row may go unseen by "
+                         f"training before it is dropped), or null; got {spec!r}")
+    (unit, value), = spec.items()
+    if unit == "steps":
+        return {"steps": _integer("expire_after.steps", value, 1, 2**62)}
+    return {"seconds": float(_number("expire_after.seconds", value, 0.0, low_open=True))}
+
+
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
     """How one embedding table stores, initialises and updates its rows."""
@@ -86,6 +99,7 @@ class TableConfig:
     pooling: str = "sum"
     num_threads: int = 1
     prefault: bool = False  # commit the rows' memory at creation instead of at each page's first use
+    expire_after: dict | None = None  # {"steps": N} or {"seconds": S} unseen by training: `EmbeddingStore.expire`
 
     def __post_init__(self):
         _integer("dim", self.dim, 1, 65536)
@@ -103,6 +117,7 @@ class TableConfig:
         _integer("num_threads", self.num_threads, 1, 256)
         if not isinstance(self.prefault, bool):
             raise ValueError(f"prefault: must be true or false, got {self.prefault!r}")
+        object.__setattr__(self, "expire_after", parse_expire_after(self.expire_after))
         if self.num_threads > self.capacity:
             raise ValueError(f"num_threads: {self.num_threads} is more than capacity {self.capacity}")
 
@@ -118,6 +133,8 @@ class TableConfig:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
         d["init"] = dict(self.init)
+        if d["expire_after"] is None:  # absent, as in checkpoints of releases before expiry
+            del d["expire_after"]
         return d
 
     # --------------------------------------------------------------- layout and kernel packing

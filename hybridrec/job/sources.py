@@ -41,6 +41,7 @@ class DataSources:
     valid: Iterable | None = None  # the validation rows, None without data.valid_path / valid_fraction
     valid_reader: object = None
     train_paths: list[str] = dataclasses.field(default_factory=list)
+    stream: object = None  # with data.stream: this trainer's StreamSource (also `train`)
 
     @property
     def num_tasks(self) -> int:
@@ -55,6 +56,10 @@ class DataSources:
     def no_training_rows(self, rank: int = 0, world_size: int = 1) -> UserError:
         """The error of a run that took no training step: what the training reader read and
         rejected, with the first reasons."""
+        if self.stream is not None:
+            return UserError(f"trainer {rank} of {world_size}: the stream gave no record to train "
+                             f"({self.stream.bad_records} bad ones) before it ended (data.stream.idle_timeout "
+                             f"{self.stream.common.idle_timeout} s, or a signal)")
         if world_size > 1:
             return UserError(f"trainer {rank} of {world_size}: no training step was taken; some trainer got no "
                              "training batch (the rows are dealt to trainers in blocks, so a small data set may "
@@ -128,10 +133,13 @@ def _shuffled(cfg: DataConfig, train: Iterable, seed: int) -> Iterable:
 
 
 def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1,
-                  with_best_auc: bool = True) -> DataSources:
+                  with_best_auc: bool = True, stream: dict | None = None) -> DataSources:
     """Train, validation and test sources for this rank (validation and test are read whole by
-    every rank)."""
+    every rank). With data.stream, `stream` says which trainer reads: {rank, trainers,
+    whole_stream, job} (see `hybridrec.data.stream.StreamContext`)."""
     eval_bs = cfg.eval_batch_size or cfg.batch_size
+    if cfg.stream is not None:
+        return _stream_sources(cfg, eval_bs, stream or {})
     if cfg.format == "synthetic":
         syn = _synthetic_config(cfg)
         rows = cfg.synthetic.train_rows
@@ -167,3 +175,17 @@ def build_sources(cfg: DataConfig, seed: int, rank: int = 0, world_size: int = 1
     return DataSources(_shuffled(cfg, train, seed), test, schema.sparse_feature_names, len(schema.dense),
                        list(schema.labels), train_rows=stop, train_reader=train, test_reader=test, valid=valid,
                        valid_reader=valid, train_paths=paths)
+
+
+def _stream_sources(cfg: DataConfig, eval_bs: int, reader: dict) -> DataSources:
+    """The trainer's stream source as training data; test and validation rows from files."""
+    from hybridrec.data.stream import StreamContext, open_source
+
+    _check_paths(cfg)
+    schema = _schema(cfg)
+    source = open_source(cfg.stream, StreamContext(schema, cfg.batch_size, strict=cfg.strict, **reader))
+    test = _file_reader(cfg, cfg.test_path, eval_bs) if cfg.test_path is not None else []
+    valid = _file_reader(cfg, cfg.valid_path, eval_bs) if cfg.valid_path is not None else None
+    return DataSources(source, test, schema.sparse_feature_names, len(schema.dense), list(schema.labels),
+                       train_reader=source, test_reader=test if cfg.test_path is not None else None, valid=valid,
+                       valid_reader=valid, stream=source)

@@ -363,6 +363,11 @@ class PSClient:
         """Each shard's {pid, tables: {name: store stats}}."""
         return [reply.meta for reply in self._broadcast("stats")]
 
+    def expire(self, step: int, now: float) -> int:
+        """Every shard's tables with `expire_after` drop the rows unseen for longer; the rows dropped."""
+        replies = self._broadcast("expire", lambda s: {"step": int(step), "now": float(now)}, idempotent=False)
+        return sum(sum(reply.meta["expired"].values()) for reply in replies)
+
     def checkpoint(self, directory: str | Path) -> list[Path]:
         """Every shard saves its tables under `directory` (a path the servers can write)."""
         paths = [shard_directory(directory, s, self.num_shards) for s in range(self.num_shards)]

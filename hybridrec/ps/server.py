@@ -150,6 +150,7 @@ class EmbeddingServer(Service):
             "dense_pull": Operation(self._dense_pull),
             "dense_push": Operation(self._dense_push, arrays=None),
             "stats": Operation(self._stats),
+            "expire": Operation(self._expire),
             "checkpoint": Operation(self._checkpoint),
             "load": Operation(self._load),
             "shutdown": Operation(self._shutdown),
@@ -294,6 +295,17 @@ class EmbeddingServer(Service):
         return Message("stats", meta={"pid": os.getpid(),
                                       "tables": {n: s.stats() for n, s in stores.items()},
                                       "dense": {"params": dense.shapes(), "version": dense.version}})
+
+    def _expire(self, request: Message) -> Message:
+        """Every table with `expire_after` drops the rows unseen for longer (EmbeddingStore.expire)
+        at the job's step meta 'step' and time meta 'now'."""
+        step, now = request.meta.get("step"), request.meta.get("now")
+        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(now, (int, float)):
+            raise ValueError(f"meta 'step' must be an int and 'now' a number, got {step!r} and {now!r}")
+        with self._swap:
+            stores = dict(self.stores)
+        return Message("expire", meta={"expired": {n: s.expire(step, float(now)) for n, s in stores.items()
+                                                   if s.config.expire_after is not None}})
 
     def _directory(self, meta: dict[str, Any]) -> Path:
         """meta 'directory' resolved inside the checkpoint root (relative paths start there)."""

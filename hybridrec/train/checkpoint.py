@@ -6,7 +6,8 @@ torch RNG state), `progress.json` (step, epoch, batch within the epoch, samples 
 `embeddings/` (the placement's tables: the local placement writes `<deep|wide>/<table>/` store
 checkpoints, see hybridrec.embedding.checkpoint; PS servers write their shards).
 `progress.json` also records the settings that fix the batch order and the model's shape, and
-resuming with different ones is refused (they would silently train something else).
+resuming with different ones is refused (they would silently train something else). A run on a
+stream adds `stream_by_rank`: each trainer's place in the stream (hybridrec.train.stream).
 A checkpoint directory is complete once `progress.json` exists; it is written last, after the
 directory was assembled under a temporary name and renamed into place. `latest` names the newest.
 """
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +35,25 @@ RESUME_KEYS = ("seed", "data.format", "data.synthetic", "data.path", "data.schem
                "data.test_fraction", "data.test_path", "data.valid_fraction", "data.valid_path",
                "data.shuffle_buffer", "data.batch_size", "model", "embedding.default.init",
                "embedding.default.seed")
+
+
+class CheckpointTimer:
+    """train.checkpoint_every_s: a checkpoint is due once that many seconds passed since the last."""
+
+    def __init__(self, every_s: float | None) -> None:
+        self.every_s = every_s
+        self._last = time.monotonic()
+
+    def due(self, agree=None) -> bool:
+        """`agree(flag)`: trainers that step together take the leader's answer (a checkpoint is a
+        collective); without it, this trainer's clock."""
+        if self.every_s is None:
+            return False
+        late = time.monotonic() - self._last >= self.every_s
+        return agree(late) if agree is not None else late
+
+    def reset(self) -> None:
+        self._last = time.monotonic()
 
 
 class CheckpointError(UserError):

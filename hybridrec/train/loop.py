@@ -25,11 +25,13 @@ from hybridrec.job.tables import job_dense_model, job_tables
 from hybridrec.strategy import build_strategy
 from hybridrec.strategy.world import World
 from hybridrec.comm.transport import RemoteError
-from hybridrec.train.checkpoint import (CheckpointError, checkpoint_root, complete_checkpoints, config_for_checkpoint,
+from hybridrec.train.checkpoint import (CheckpointError, CheckpointTimer, checkpoint_root, complete_checkpoints, config_for_checkpoint,
                                         latest_checkpoint, read_dense, read_progress, remove_interrupted_writes,
                                         save_checkpoint)
 from hybridrec.metrics import MetricAccumulator
 from hybridrec.train.best import BestKeeper
+from hybridrec.train.expiry import ExpirySchedule
+from hybridrec.train.stream import StreamTraining
 from hybridrec.train.local_pipeline import LocalPipeline
 from hybridrec.train.reporting import Reporter, json_text
 from hybridrec.train.threads import ThreadSplit, thread_split
@@ -197,6 +199,9 @@ def restore(cfg: JobConfig, world: World, placement, resume: bool, overwrite: bo
         _load_embeddings(placement, Path(value))  # each trainer holds (and loads) its own tables
     world.barrier()
     positions = record.pop("next_batch_by_rank")
+    streams = record.pop("stream_by_rank", None)
+    if cfg.data.stream is not None:  # a stream has no epochs: each run reads on from the stream's position
+        return {**record, "epoch": 0, "next_batch": 0, "stream": streams[world.rank] if streams else None}, state
     return {**record, "next_batch": positions[world.rank]}, state
 
 
@@ -244,14 +249,41 @@ def save(cfg: JobConfig, world: World, placement, dense, progress: dict) -> None
     """Every trainer's updates are acknowledged (the caller drained its stream), then the leader
     writes the checkpoint: dense state, the placement's tables, each trainer's data position."""
     positions = world.gather(progress["next_batch"])
+    streams = world.gather(progress.get("stream"))  # each trainer's place in a stream (None without one)
     state = dense.state()  # on every trainer: a dense sync may gather its parts (DES: the first-layer blocks)
     if placement.tables_on_trainers:  # each trainer writes its own tables for the leader
         placement.stage(checkpoint_root(cfg.train.output_dir), progress["step"])
     world.barrier()
     if world.leader:
-        save_checkpoint(cfg.train.output_dir, state, placement.save, {**progress, "next_batch_by_rank": positions},
+        record = {k: v for k, v in progress.items() if k != "stream"}
+        if any(s is not None for s in streams):
+            record["stream_by_rank"] = streams
+        save_checkpoint(cfg.train.output_dir, state, placement.save, {**record, "next_batch_by_rank": positions},
                         cfg, cfg.train.keep_checkpoints)
     world.barrier()
+
+
+def save_and_commit(cfg: JobConfig, world: World, placement, dense, progress: dict, streaming) -> None:
+    """`save` a checkpoint of the run, with each trainer's place in its stream; once it is
+    complete the streams may forget what it covers (Redis: acknowledge it)."""
+    if streaming is None:
+        save(cfg, world, placement, dense, progress)
+        return
+    progress["stream"] = streaming.state()
+    streaming.before_checkpoint(progress["step"])
+    save(cfg, world, placement, dense, progress)
+    streaming.committed(progress["stream"])
+
+
+def stream_reader(cfg: JobConfig, world: World, placement) -> dict | None:
+    """Which trainer reads a stream, for its source (None without data.stream): with a placement
+    whose trainers each compute a part of every sample, every trainer reads the whole stream."""
+    if cfg.data.stream is None:
+        return None
+    import os
+
+    return {"rank": world.rank, "trainers": world.size, "whole_stream": placement.whole_batches,
+            "job": f"hybridrec:{os.path.abspath(cfg.train.output_dir)}"}
 
 
 def drain_seconds(cfg: JobConfig) -> float:
@@ -297,7 +329,9 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
     placement, dense = strategy.placement, None
     try:
         readers = reading_world(placement, world)
-        sources = build_sources(cfg.data, cfg.seed, readers.rank, readers.size, with_best_auc=world.leader)
+        sources = build_sources(cfg.data, cfg.seed, readers.rank, readers.size, with_best_auc=world.leader,
+                                stream=stream_reader(cfg, world, placement))
+        streaming = None if sources.stream is None else StreamTraining(cfg, world, sources.stream)
         model = dense_model(cfg, tables)
         device = next(model.parameters(), torch.empty(0)).device
         progress, state = restore(cfg, world, placement, resume, overwrite)
@@ -305,6 +339,10 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
         model = getattr(dense, "model", model)  # what the loop evaluates (DES: this trainer's substituted model)
         if state is not None:
             dense.load(state)
+        if streaming is not None:
+            streaming.start(progress, fresh=state is None, lockstep=dense.lockstep)
+        expiry = ExpirySchedule(tables, placement)
+        checkpoint_timer = CheckpointTimer(cfg.train.checkpoint_every_s)
         loss_fn = torch.nn.BCEWithLogitsLoss()
         max_steps = cfg.train.max_steps
         done = max_steps is not None and progress["step"] >= max_steps
@@ -323,7 +361,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                                 append=progress["step"] > 0)
         model.train()
         best = None if sources.valid is None else BestKeeper(cfg.train.output_dir, world, progress["step"] > 0)
-        with reporter:
+        agree = world.broadcast if lockstep and world.grouped else None  # trainers in step follow the leader's clock
+        with reporter, streaming.stop_on_signals() if streaming is not None else contextlib.nullcontext():
             for epoch in range(progress["epoch"], cfg.train.epochs):
                 if done:
                     break
@@ -349,19 +388,28 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                                                                 cfg.train.precision)
                         step = progress["step"] + 1
                         evaluate_now = lockstep and _due(cfg.train.eval_every, step)
-                        save_now = lockstep and _due(cfg.train.checkpoint_every, step)
-                        # no lookup between this update and the evaluation or checkpoint (a lookup
-                        # inserts keys): held before the push, so with sync they are deterministic
-                        with stream.held() if evaluate_now or save_now else contextlib.nullcontext():
+                        save_now = lockstep and (_due(cfg.train.checkpoint_every, step)
+                                                 | checkpoint_timer.due(agree))
+                        expire_now = expiry.due(step, agree)
+                        # no lookup between this update and the evaluation, checkpoint or expiry (a
+                        # lookup inserts keys): held before the push, so with sync they are deterministic
+                        with stream.held() if evaluate_now or save_now or expire_now else contextlib.nullcontext():
                             stream.push(ready, inputs.gradients())
                             dense.finish_step()
                             seconds += time.perf_counter() - tick
                             samples += batch.batch_size
                             progress.update(step=step, epoch=epoch, next_batch=ready.index + 1,
                                             samples=progress["samples"] + batch.batch_size * readers.size)
+                            probs = torch.sigmoid(logits.detach()).cpu().numpy()
                             if world.leader:
-                                reporter.train_step(step, loss.item(), torch.sigmoid(logits.detach()).cpu().numpy(),
-                                                    batch.labels, batch.batch_size)
+                                reporter.train_step(step, loss.item(), probs, batch.labels, batch.batch_size)
+                            if streaming is not None:  # scored before its update: progressive validation
+                                streaming.trained(batch, probs)
+                                if world.leader and step % cfg.train.log_every == 0:
+                                    reporter.progressive(step, {**streaming.report(), "expired_rows": expiry.expired})
+                            if expire_now:
+                                stream.drain(drain_seconds(cfg))
+                                expiry.sweep(step)
                             if on_step is not None:
                                 on_step(step, model)
                             if evaluate_now:
@@ -375,7 +423,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                                         reporter.eval_result(step, metrics)
                             if save_now:
                                 stream.drain(drain_seconds(cfg))
-                                save(cfg, world, placement, dense, progress)
+                                save_and_commit(cfg, world, placement, dense, progress, streaming)
+                                checkpoint_timer.reset()
                         if max_steps is not None and step >= max_steps:
                             done = True
                             break
@@ -396,7 +445,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             dense.finish_training()
             # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
             # must start from the state training left, whatever was evaluated in between
-            save(cfg, world, placement, dense, progress)
+            save_and_commit(cfg, world, placement, dense, progress, streaming)
             if best is not None and best.validated_step != progress["step"]:  # the last step's, unless done
                 validate(cfg, world, model, placement, dense, sources, reporter, best, progress)
             metrics = evaluate(model, placement, sources.test, sources.label_names, world)
@@ -406,6 +455,8 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                       **({"pipeline": pipeline} if pipeline else {}),
                       **dense.facts(world),
                       **strategy.consistency.facts(world),
+                      **({} if streaming is None else {"stream": streaming.facts()}),
+                      **({"expired_rows": sum(world.gather(expiry.expired))} if expiry.active else {}),
                       **({} if best is None else {"best_valid": best.record})}
             if world.leader:
                 reporter.final(progress["step"], result)

@@ -72,6 +72,10 @@ class Reporter:
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
 
     def train_step(self, step: int, loss: float, probs: np.ndarray, labels: np.ndarray, batch_size: int) -> None:
+        if batch_size == 0:  # a lockstep trainer whose stream had nothing stepped empty: nothing to report
+            if self._bar is not None:
+                self._bar.update(1)
+            return
         self._window.append((loss, probs[:, 0].copy(), labels[:, 0].copy()))
         del self._window[:-_WINDOW]
         self._samples += batch_size
@@ -86,6 +90,12 @@ class Reporter:
             self._write(record)
             if self._bar is not None:
                 self._bar.set_postfix(loss=f"{run_loss:.4f}", auc=f"{run_auc:.4f}")
+
+    def progressive(self, step: int, record: dict) -> None:
+        """A stream's progressive validation record (hybridrec.train.stream) at `step`."""
+        self._write({"split": "progressive", "step": step, **record})
+        if self._bar is not None and record.get("window_auc") is not None:
+            self._bar.set_postfix(window_auc=f"{record['window_auc']:.4f}")
 
     def eval_result(self, step: int, metrics: dict, split: str = "test") -> None:
         self._write({"split": split, "step": step, **metrics})

@@ -137,6 +137,11 @@ class StreamSource(abc.ABC):
         """Set-up done once per job by its leader before any trainer reads (Redis: the consumer
         group). `fresh`: the run starts over, forgetting what an earlier run of the job read."""
 
+    def step_when_dry(self, on: bool) -> None:
+        """Lockstep trainers: yield an empty batch after poll_interval without data (see the
+        module docstring)."""
+        self.context = dataclasses.replace(self.context, empty_when_dry=bool(on))
+
     def start(self, state: dict | None) -> None:
         """Continue after `state` (a `state()` record of this trainer, as a checkpoint stored it),
         or from the beginning of the stream with None."""

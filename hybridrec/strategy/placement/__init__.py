@@ -17,6 +17,8 @@ trainers hold the tables: before the leader writes a checkpoint every trainer ca
 `stage(checkpoint_root, step)` to write its own tables, which the leader's `save` gathers, and on
 resume every trainer `load`s its own); `micro_batches(looked, batch)` (the parts a step's
 forward and backward run in: PICASSO's D-interleaving cuts a batch, the rest keep it whole).
+`expire(step, now)` drops the rows of tables with `expire_after` that training has not used for
+longer, between steps (`EmbeddingStore.expire`), and returns how many.
 `make_placement` builds the value named by `strategy.placement` from the module hybridrec.axes
 names for it.
 """
@@ -61,6 +63,8 @@ class Placement(Protocol):
 
     def facts(self) -> dict: ...
 
+    def expire(self, step: int, now: float) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -77,6 +81,10 @@ class PlacementDefaults:
 
     def stage(self, root: Path, step: int) -> None:
         """Nothing: the leader's `save` writes every table (see `tables_on_trainers`)."""
+
+    def expire(self, step: int, now: float) -> int:
+        """Nothing to expire (a placement whose tables cannot expire rows)."""
+        return 0
 
 
 def make_placement(name: str, cfg, tables, world, endpoints) -> Placement:

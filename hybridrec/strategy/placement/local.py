@@ -95,6 +95,10 @@ class LocalPlacement(PlacementDefaults):
             collection.replace_store(table, load_store(path, capacity=store.config.capacity,
                                                        num_threads=store.config.num_threads))
 
+    def expire(self, step: int, now: float) -> int:
+        return sum(store.expire(step, now) for collection in self.collections.values()
+                   for store in collection.stores.values() if store.config.expire_after is not None)
+
     def facts(self) -> dict:
         return {"embedding_rows": {side: sum(len(s) for s in c.stores.values())
                                    for side, c in self.collections.items()}}

@@ -114,6 +114,9 @@ class PSPlacement(PlacementDefaults):
     def load(self, directory: Path) -> None:
         self.ps.load(directory)
 
+    def expire(self, step: int, now: float) -> int:
+        return self.ps.expire(step, now) if self.world.leader else 0  # the leader sweeps the servers
+
     def facts(self) -> dict:
         return {"route": self.route}
 

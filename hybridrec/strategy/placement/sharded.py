@@ -874,6 +874,12 @@ class ShardedPlacement(PlacementDefaults):
         if self.hybrid is not None:
             self.hybrid.reset()
 
+    def expire(self, step: int, now: float) -> int:
+        """This trainer's shard of every table with `expire_after`, swept on the thread that runs
+        the placement's lookups (so none is in flight)."""
+        return self._call(lambda: sum(store.expire(step, now) for store in self.stores.values()
+                                      if store.config.expire_after is not None))
+
     # ------------------------------------------------------------ facts
     def facts(self) -> dict:
         out = {"packs": [{"side": p.side, "dim": p.dim, "tables": len(p.tables)} for p in self.packs]

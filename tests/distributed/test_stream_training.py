@@ -1,0 +1,109 @@
+"""Training on streams (issue 33), with real processes: `hybridrec train` on a `files` directory
+and on a Redis stream is killed with SIGKILL at random moments and resumed, and the records its
+checkpoints say were trained (record_sample_ids) are exactly the records produced, each once; a
+2-trainer job of a lockstep strategy (PICASSO's sharded placement with AllReduce) finishes, and
+trains every record, when one trainer's share of the files runs dry long before the other's."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from helpers import redis_server  # noqa: F401 (a fixture)
+from hybridrec.data.stream.backends.files import file_sample_ids
+from hybridrec.data.synthetic import write_synthetic
+
+ROWS, FILES, BATCH = 900, 5, 128
+KILLS = 3  # SIGKILLs per test, each at a random moment of a run
+RUN_SECONDS = 180  # bound on one run of `hybridrec train`
+
+
+def _config(tmp_path: Path, stream: dict, **train) -> Path:
+    write_synthetic(tmp_path / "test.tsv", 500, seed=0, first_row=100_000)
+    config = {
+        "seed": 0,
+        "data": {"format": "criteo", "batch_size": BATCH, "test_path": str(tmp_path / "test.tsv"), "prefetch": 2,
+                 "stream": {"idle_timeout": 2.0, "poll_interval": 0.1, "record_sample_ids": True, **stream}},
+        "model": {"name": "deepfm", "embedding_dim": 4, "hparams": {"hidden": [16]}},
+        "embedding": {"default": {"capacity": 50_000, "optimizer": {"name": "adagrad", "lr": 0.1}}},
+        "train": {"output_dir": str(tmp_path / "run"), "checkpoint_every": 2, "progress": False, "log_every": 5,
+                  "threads": 1, **train},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _train(config: Path, log: Path, resume: bool) -> subprocess.Popen:
+    again = "--resume" if resume and (config.parent / "run" / "checkpoints" / "latest").exists() else "--overwrite"
+    return subprocess.Popen([sys.executable, "-m", "hybridrec.cli", "train", str(config), again],
+                            stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def _trained_ids(run: Path) -> Counter:
+    """The sample ids the run's checkpoints cover, every trainer's, each as often as it was trained."""
+    files = sorted((run / "sample_ids").glob("rank-*/step-*.npy"))
+    return Counter(np.concatenate([np.load(f) for f in files]).tolist() if files else [])
+
+
+def _kill_and_resume(config: Path, tmp_path: Path, feed=None) -> subprocess.CompletedProcess:
+    """KILLS runs each killed (SIGKILL) at a random moment, then one run left to end by itself
+    (the stream goes idle); `feed(i)` runs before run i (more data arriving meanwhile)."""
+    log = tmp_path / "train.log"
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for attempt in range(KILLS):
+        if feed is not None:
+            feed(attempt)
+        process = _train(config, log, resume=attempt > 0)
+        time.sleep(rng.uniform(2.0, 7.0))  # start-up, training, checkpoints: any of them
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+    if feed is not None:
+        feed(KILLS)
+    process = _train(config, log, resume=True)
+    assert process.wait(RUN_SECONDS) == 0, log.read_text()[-3000:]
+    return log
+
+
+def test_files_stream_killed_at_random_moments_trains_every_record_once(tmp_path):
+    incoming = tmp_path / "incoming"
+    produced = Counter()
+
+    def arrive(index: int) -> None:  # partitions keep arriving between the runs
+        for part in range(index * FILES // (KILLS + 1), (index + 1) * FILES // (KILLS + 1)):
+            directory = incoming / f"dt={part:02d}"
+            directory.mkdir(parents=True)
+            write_synthetic(directory / "part-0.tsv", ROWS, seed=0, first_row=part * ROWS)
+            (directory / "_SUCCESS").touch()
+            produced.update(file_sample_ids(f"dt={part:02d}/part-0.tsv", np.arange(ROWS)).tolist())
+
+    log = _kill_and_resume(_config(tmp_path, {"backend": "files", "path": str(incoming)}), tmp_path, arrive)
+    assert _trained_ids(tmp_path / "run") == produced, log.read_text()[-2000:]
+
+
+def test_redis_stream_killed_at_random_moments_trains_every_record_once(tmp_path, redis_server):
+    from hybridrec.data.stream.backends.redis import entry_sample_ids
+    from hybridrec.data.stream.producer import produce, synthetic_lines
+
+    url = redis_server.url("clicks")
+    produced = Counter()
+
+    def arrive(index: int) -> None:
+        lines = synthetic_lines(ROWS, seed=0, first_row=index * ROWS)
+        produced.update(entry_sample_ids(produce(url, lines, keep_ids=True).ids).tolist())
+
+    config = _config(tmp_path, {"backend": "redis", "url": url})
+    log = _kill_and_resume(config, tmp_path, arrive)
+    assert _trained_ids(tmp_path / "run") == produced, log.read_text()[-2000:]
+    import redis
+
+    assert redis.Redis(port=redis_server.port).xpending("clicks", f"hybridrec:{tmp_path / 'run'}")["pending"] == 0
