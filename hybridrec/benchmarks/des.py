@@ -1,4 +1,4 @@
-"""`hybridrec bench des`: DES (issue 22) against the Persia preset, on real jobs.
+"""`hybridrec bench des`: DES against the Persia preset, on real jobs.
 
 Two parts, each skippable:
 

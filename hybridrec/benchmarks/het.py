@@ -1,4 +1,4 @@
-"""`hybridrec bench het`: HET's cache and consistency model (issue 18) on real jobs.
+"""`hybridrec bench het`: HET's cache and consistency model on real jobs.
 
 Jobs (`hybridrec.parallel.launch.launch`: 2 PS servers and 2 trainers under torchrun talking to
 them directly, same data and seed), each a value of the one consistency switch:
@@ -27,7 +27,7 @@ read is measured for each policy, the policies interleaved (`--repeats` times), 
 A cache smaller than a batch's distinct keys of a table cannot serve it; such a table's cache is
 raised to the batch's size, and the report counts the tables raised.
 
-Targets (issue 18): at s = 100 and a 10% cache, at least 80% fewer embedding bytes per sample
+Targets: at s = 100 and a 10% cache, at least 80% fewer embedding bytes per sample
 than no cache at a test AUC within 0.001 of BSP; LFU's miss rate at or below LRU's at every size.
 `--plot FILE.png` draws the miss rates against the cache size per policy. `--json` prints one
 line: {"bsp": R, "asp": R, "ssp": R, "no_cache": R, "het": {"s0": R, "s10": R, "s100": R,

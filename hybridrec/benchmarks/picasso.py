@@ -1,4 +1,4 @@
-"""`hybridrec bench picasso`: PICASSO's optimisations measured on real jobs (issue 19).
+"""`hybridrec bench picasso`: PICASSO's optimisations measured on real jobs.
 
 The same job (`--config`, default configs/picasso_synthetic.yaml) is run as:
 

@@ -1,4 +1,4 @@
-"""The packages form layers with no back-and-forth (docs/architecture.md, "Package layers"):
+"""The packages form layers with no back-and-forth (docs/architecture.md, "Map: the packages by layer"):
 each imports only packages below it, lazy imports inside functions included."""
 import ast
 from pathlib import Path
