@@ -28,7 +28,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import zmq
 from zmq.utils import z85
@@ -184,18 +184,25 @@ def launcher_environment(host: str) -> dict[str, str] | None:
     return environment
 
 
+FULL_STATUS = 500  # the ZAP status of a connection refused because the server serves as many as it may
+
+
 class ZapHandler:
-    """Admits CURVE connections that present `key`'s client public key, on one ZeroMQ context.
+    """Admits connections on one ZeroMQ context: with `key`, CURVE connections that present its
+    client public key; without, NULL (plain) ones. `refusal()` may refuse an otherwise admitted
+    connection with a reason (a server at its connection cap), status FULL_STATUS.
 
     Start it before a socket of the context binds; stop it before the context terminates.
     Refusals are logged, one line each, rate-limited.
     """
 
-    def __init__(self, context: zmq.Context, key: JobKey):
+    def __init__(self, context: zmq.Context, key: JobKey | None,
+                 refusal: Callable[[], str | None] = lambda: None):
         self._socket = context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(ZAP_ENDPOINT)
         self._key = key
+        self._refusal = refusal
         self._stop = threading.Event()
         self._refusals = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._serve, name="zap-handler", daemon=True)
@@ -211,13 +218,20 @@ class ZapHandler:
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         version, request_id, _domain, address, _identity, mechanism, *credentials = request + [b""] * 6
-        admitted = (mechanism == b"CURVE" and len(credentials) >= 1
-                    and z85.encode(credentials[0]) == self._key.client_public)
+        peer, kind = address.decode(errors="replace"), mechanism.decode(errors="replace")
+        if self._key is None:
+            admitted = mechanism == b"NULL"
+        else:
+            admitted = (mechanism == b"CURVE" and len(credentials) >= 1
+                        and z85.encode(credentials[0]) == self._key.client_public)
         if not admitted:
-            self._refusals.warning("refused a %s connection from %s: it did not present this job's key",
-                                   mechanism.decode(errors="replace"), address.decode(errors="replace"))
-        status = (b"200", b"OK") if admitted else (b"400", b"not this job's key")
-        return [version, request_id, *status, b"", b""]
+            self._refusals.warning("refused a %s connection from %s: it did not present this job's key", kind, peer)
+            return [version, request_id, b"400", b"not this job's key", b"", b""]
+        why = self._refusal()
+        if why is not None:
+            self._refusals.warning("refused a connection from %s: %s", peer, why)
+            return [version, request_id, str(FULL_STATUS).encode(), why.encode()[:255], b"", b""]
+        return [version, request_id, b"200", b"OK", b"", b""]
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

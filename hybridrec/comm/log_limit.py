@@ -1,5 +1,6 @@
-"""A rate-limited logger: servers log each bad request or refused peer as one line, but a flood of
-them cannot fill the log or slow the server down."""
+"""A rate-limited logger: servers log each bad request, refused peer or failed request (with its
+traceback when it is a bug of ours) under one limit, so a flood of them cannot fill the log or
+slow the server down."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,14 @@ class RateLimitedLog:
 
     def warning(self, message: str, *args: object) -> bool:
         """Log `message % args` as one warning unless the limit is reached; True when logged."""
+        return self._log(logging.WARNING, message, args, exc_info=False)
+
+    def exception(self, message: str, *args: object) -> bool:
+        """Log `message % args` as an error with the traceback of the exception being handled,
+        under the same limit; True when logged."""
+        return self._log(logging.ERROR, message, args, exc_info=True)
+
+    def _log(self, level: int, message: str, args: tuple, exc_info: bool) -> bool:
         with self._lock:
             now = time.monotonic()
             if now - self._window_start >= self.period:
@@ -31,5 +40,5 @@ class RateLimitedLog:
             held_back, self._held_back = self._held_back, 0
         if held_back:
             message += f" ({held_back} similar lines held back)"
-        self.logger.warning(message, *args)
+        self.logger.log(level, message, *args, exc_info=exc_info or None, stacklevel=3)
         return True

@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -34,7 +35,9 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hybridrec.comm.auth import FROM_ENVIRONMENT, HOW_TO, AuthError, JobKey, ZapHandler, resolve_key, server_key
+from hybridrec.comm.auth import (FROM_ENVIRONMENT, FULL_STATUS, HOW_TO, AuthError, JobKey, ZapHandler, resolve_key,
+                                 server_key)
+from hybridrec.comm.flow import ConnectionCount, Flow, FlowLimits
 from hybridrec.comm.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ WIRE_DTYPES = frozenset(
 MAX_HEADER_BYTES = 1 << 20
 MAX_REQUEST_BYTES = 1 << 30  # a Server's default limit on one request (all frames)
 POLL_MS = 50  # how often idle loops look at their stop flag
+LIMITS_OP = "transport.limits"  # answered by every Server itself: meta {max_request_bytes}
+HANDSHAKE_MS = 5000  # a connection that has not finished its handshake by then is closed
+REQUEST_FAULTS = (ValueError, TypeError, KeyError, OverflowError, MemoryError)  # the request's fault: one line
+FD_RESERVE = 128  # descriptors kept for files, pipes and the sockets' own, beyond one per connection
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -67,6 +74,14 @@ class ConnectionLost(TimeoutError):
 
 class ProtocolError(ValueError):
     """A message that does not follow the wire format."""
+
+
+class RequestTooLarge(ValueError):
+    """A request over the server's `max_request_bytes`, refused by the client before sending."""
+
+
+class ServerFull(ConnectionError):
+    """The server refused the connection at its handshake: it serves as many as it may."""
 
 
 class RemoteError(RuntimeError):
@@ -177,7 +192,10 @@ def check_addresses(addresses, what: str = "addresses") -> list[str]:
     return [check_address(a, f"{what} entry") for a in addresses]
 
 
-def _handshake_error(address: str, key: JobKey | None, event: dict[str, Any]) -> AuthError:
+def _handshake_error(address: str, key: JobKey | None, event: dict[str, Any]) -> AuthError | ServerFull:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and event["value"] == FULL_STATUS:
+        return ServerFull(f"{address} refused the connection: it serves as many connections as it may "
+                          f"(serve-ps --max-connections); close idle clients of it or raise that limit")
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         why = "the server refused this client's job key"
     elif key is None:
@@ -209,6 +227,7 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: set[int] = set()  # sent on the current socket, reply not yet taken
         self._early: dict[int, tuple[dict[str, Any], list]] = {}  # replies that overtook others
+        self._limit: int | None = None  # the server's max_request_bytes, asked before the first large request
 
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None,
              meta: dict[str, Any] | None = None) -> int:
@@ -218,9 +237,25 @@ class Client:
                 recv_monitor_message(self._monitor)
         request_id = next(self._ids)
         frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
+        size = sum(memoryview(frame).nbytes for frame in frames)
+        if size > MAX_HEADER_BYTES:
+            self._check_size(op, size)
         self._socket.send_multipart(frames, copy=False)
         self._pending.add(request_id)
         return request_id
+
+    def _check_size(self, op: str, size: int) -> None:
+        """RequestTooLarge when a request of `size` bytes is over the server's limit (asked once,
+        with a small request, before the first large one: ZeroMQ drops a frame far over it with
+        the connection, unanswered)."""
+        if self._limit is None:
+            try:
+                self._limit = int(self.request(LIMITS_OP, idempotent=True).meta["max_request_bytes"])
+            except (RemoteError, KeyError, TypeError, ValueError):
+                self._limit = 0  # a server that does not say: send, and let it answer
+        if self._limit and size > self._limit:
+            raise RequestTooLarge(f"{op} to {self.address}: the request of {size} bytes is larger than this "
+                                  f"server's limit of {self._limit} bytes; send fewer keys or arrays per request")
 
     def receive(self, request_id: int, timeout: float | None = None) -> Message:
         """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time,
@@ -397,35 +432,65 @@ class Operation:
                 )
 
 
+
+
+def _descriptors_for(connections: int) -> int:
+    """How many connections the process's descriptor limit leaves room for, once the soft limit
+    is raised (up to the hard one) to hold `connections` of them."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = connections + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        return connections if soft == resource.RLIM_INFINITY else max(1, min(connections, soft - FD_RESERVE))
+    except (ImportError, ValueError, OSError):
+        return connections
+
+
 class Server:
     """A ROUTER front on `host:port` feeding `threads` worker threads that run handlers.
 
     `port=0` picks a free port (see `.port` after `start`). `request_stop()` may be called
     from a handler: the reply in flight is still delivered. `key`: the job key (by default the
-    environment's, see `hybridrec.comm.auth`); off loopback there must be one. A request of more
-    than `max_request_bytes` (all frames) gets an error reply.
+    environment's, see `hybridrec.comm.auth`); off loopback there must be one.
+
+    Limits (`hybridrec.comm.flow`): a request of more than `max_request_bytes` (all frames) gets
+    an error reply (a single frame over twice that breaks the connection, as ZeroMQ drops it
+    unread; `Client` never sends one); at most `max_connections` connections are served at once
+    (a client past it is refused at its handshake, `ServerFull`); each connection may have
+    `held_bytes_per_connection` of requests waiting while it does not read its replies, and all
+    requests waiting for a worker thread are at most `queued_bytes_total`.
     """
 
     def __init__(self, operations: dict[str, Operation], *, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 2, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 key: JobKey | None = FROM_ENVIRONMENT):
+                 key: JobKey | None = FROM_ENVIRONMENT, max_connections: int = 256,
+                 held_bytes_per_connection: int | None = None, queued_bytes_total: int | None = None):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
         if not isinstance(max_request_bytes, int) or max_request_bytes < MAX_HEADER_BYTES:
             raise ValueError(f"max_request_bytes must be an int >= {MAX_HEADER_BYTES}, got {max_request_bytes!r}")
+        self.limits = FlowLimits.make(max_request_bytes, held_bytes_per_connection=held_bytes_per_connection,
+                                      queued_bytes_total=queued_bytes_total, max_connections=max_connections)
         self.operations = dict(operations)
         self.host, self.port, self.threads = host, port, threads
         self.max_request_bytes = max_request_bytes
         self.key = server_key(host, key)
         self._bad_requests = RateLimitedLog(log)
+        self._failures = RateLimitedLog(log)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._context: zmq.Context | None = None
         self._zap: ZapHandler | None = None
+        self._connections: ConnectionCount | None = None
         self._workers: list[threading.Thread] = []
         self._proxy: threading.Thread | None = None
+        self.flow = Flow(self.limits)
 
     @property
     def address(self) -> str:
@@ -436,25 +501,37 @@ class Server:
         self._context = zmq.Context()
         front = self._context.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 1000)  # let the last replies out on stop
-        front.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes)  # one frame; the total is checked per request
+        front.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_request_bytes)  # a frame; requests over the limit get an error
+        front.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full reply queue raises Again instead of dropping the reply
+        front.setsockopt(zmq.SNDHWM, 1)  # one reply queued per connection; the rest is `flow`'s
+        front.setsockopt(zmq.RCVHWM, 2)  # requests ZeroMQ reads ahead per connection while the proxy does not
+        front.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        front.zap_domain = b"hybridrec"  # every connection, keyed or not, goes through the ZAP handler
+        max_connections = _descriptors_for(self.limits.max_connections)
+        if max_connections < self.limits.max_connections:
+            log.warning("server on %s: the descriptor limit leaves room for %d connections, not %d",
+                        self.host, max_connections, self.limits.max_connections)
+        self._connections = ConnectionCount(front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                                                                     | zmq.EVENT_CLOSED), max_connections)
         try:
+            self._zap = ZapHandler(self._context, self.key, self._connections.refusal)
             if self.key is not None:
-                self._zap = ZapHandler(self._context, self.key)
                 self.key.secure_server(front)
             if self.port:
                 front.bind(f"tcp://{self.host}:{self.port}")
             else:
                 self.port = front.bind_to_random_port(f"tcp://{self.host}")
         except zmq.ZMQError:
+            front.disable_monitor()
             front.close(linger=0)
             self._terminate()
             raise
-        back = self._context.socket(zmq.DEALER)
+        back = self._context.socket(zmq.ROUTER)
         back.setsockopt(zmq.LINGER, 0)
         backend = f"inproc://workers-{id(self)}"
         back.bind(backend)
         self._workers = [
-            threading.Thread(target=self._work, args=(backend,), name=f"ps-worker-{i}", daemon=True)
+            threading.Thread(target=self._work, args=(backend, i), name=f"ps-worker-{i}", daemon=True)
             for i in range(self.threads)
         ]
         for worker in self._workers:
@@ -464,50 +541,134 @@ class Server:
         self._proxy.start()
         return self.port
 
+    # ---------------------------------------------------------------- the proxy thread
     def _forward(self, front: zmq.Socket, back: zmq.Socket) -> None:
+        """Move requests from the front socket to idle workers and replies back, keeping
+        `self.flow`'s books (see hybridrec.comm.flow)."""
+        flow, idle = self.flow, deque()
         poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
         poller.register(back, zmq.POLLIN)
+        reading = False
         try:
             while True:
                 stopping = self._stop.is_set()
-                if stopping and not any(worker.is_alive() for worker in self._workers):
-                    break
-                events = dict(poller.poll(POLL_MS))
+                if stopping:
+                    flow.drop_waiting()
+                    if not any(worker.is_alive() for worker in self._workers):
+                        break
+                want = not stopping and flow.accepting()
+                if want and not reading:
+                    poller.register(front, zmq.POLLIN)
+                elif reading and not want:
+                    poller.unregister(front)
+                reading = want
+                retry = flow.next_retry()
+                wait = POLL_MS if retry is None else min(POLL_MS, max(0, int((retry - time.monotonic()) * 1000)))
+                events = dict(poller.poll(wait))
                 if back in events:  # replies first, also while stopping
-                    front.send_multipart(back.recv_multipart(copy=False), copy=False)
-                if front in events and not stopping:
-                    back.send_multipart(front.recv_multipart(copy=False), copy=False)
+                    while back.poll(0, zmq.POLLIN):
+                        worker, peer, *reply = back.recv_multipart(copy=False)
+                        idle.append(worker.bytes)
+                        if peer.bytes:  # an empty peer: the worker's first "ready"
+                            self._reply(front, peer.bytes, reply)
+                self._retry_parked(front)
+                if reading and front in events:
+                    while flow.accepting() and front.poll(0, zmq.POLLIN):
+                        self._arrived(front.recv_multipart(copy=False))
+                while idle and not stopping:
+                    taken = flow.next_request()
+                    if taken is None:
+                        break
+                    peer, frames = taken
+                    back.send_multipart([idle.popleft(), peer, *frames], copy=False)
             while back.poll(POLL_MS, zmq.POLLIN):  # replies the last workers sent
-                front.send_multipart(back.recv_multipart(copy=False), copy=False)
+                _worker, peer, *reply = back.recv_multipart(copy=False)
+                if peer.bytes:
+                    self._reply(front, peer.bytes, reply)
         finally:
             back.close()
+            front.disable_monitor()
             front.close()
             self._stopped.set()
 
-    def _work(self, backend: str) -> None:
+    def _arrived(self, frames: list[zmq.Frame]) -> None:
+        """Queue one request read from the front socket: [peer, header, arrays...]. A request
+        over the size limit keeps only its header (for the error reply) and its size."""
+        peer, request = frames[0].bytes, frames[1:]
+        size = sum(len(_frame_bytes(frame)) for frame in request)
+        control, kept = b"", size
+        if size > self.max_request_bytes:
+            request, control = request[:1], str(size).encode()
+            kept = len(_frame_bytes(request[0])) if request else 0
+        if not self.flow.arrived(peer, [control, *request], kept):
+            self._bad_requests.warning("discarded a request from a connection that does not read its replies "
+                                       "(%d discarded so far)", self.flow.discarded)
+
+    def _reply(self, front: zmq.Socket, peer: bytes, reply: list) -> None:
+        if not self.flow.answered(peer):
+            self.flow.park(peer, reply, time.monotonic())
+            return
+        outcome = self._send(front, peer, reply)
+        if outcome == "full":
+            self.flow.park(peer, reply, time.monotonic())
+        elif outcome == "gone":
+            self.flow.gone(peer)
+        else:
+            self.flow.sent(peer)
+
+    def _retry_parked(self, front: zmq.Socket) -> None:
+        now = time.monotonic()
+        for peer, reply in self.flow.due(now):
+            outcome = self._send(front, peer, reply)
+            if outcome == "sent":
+                self.flow.parked_sent(peer)
+            elif outcome == "gone":
+                self.flow.gone(peer)
+            else:
+                self.flow.still_full(peer, now)
+
+    @staticmethod
+    def _send(front: zmq.Socket, peer: bytes, reply: list) -> str:
+        """"sent", "full" (the connection's queue is full) or "gone" (it closed)."""
+        try:
+            front.send_multipart([peer, *reply], copy=False, flags=zmq.NOBLOCK)
+            return "sent"
+        except zmq.Again:
+            return "full"
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                return "gone"
+            raise
+
+    # ---------------------------------------------------------------- worker threads
+    def _work(self, backend: str, index: int) -> None:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 1000)  # a reply sent just before stopping still leaves
+        socket.setsockopt(zmq.IDENTITY, b"w%d" % index)
         socket.connect(backend)
+        socket.send_multipart([b""])  # ready
         try:
             while not self._stop.is_set():
                 if not socket.poll(POLL_MS, zmq.POLLIN):
                     continue
-                frames = socket.recv_multipart(copy=False)
-                socket.send_multipart([frames[0], *self._answer(frames[1:])], copy=False)
+                peer, control, *frames = socket.recv_multipart(copy=False)
+                socket.send_multipart([peer, *self._answer(frames, control.bytes)], copy=False)
         finally:
             socket.close()
 
-    def _answer(self, frames: list[zmq.Frame]) -> list:
-        """The reply frames for one request's frames (header + arrays); never raises."""
+    def _answer(self, frames: list[zmq.Frame], oversize: bytes = b"") -> list:
+        """The reply frames for one request's frames (header + arrays); never raises.
+        `oversize`: the request's size, when it was over the limit (its arrays were dropped)."""
         op, request_id = "?", -1
         try:
             header = parse_header(frames[0])
             op, request_id = header["op"], header["id"]
-            size = sum(len(_frame_bytes(frame)) for frame in frames)
-            if size > self.max_request_bytes:
-                raise ProtocolError(f"request of {size} bytes is larger than this server's limit of "
+            if oversize:
+                raise ProtocolError(f"request of {int(oversize)} bytes is larger than this server's limit of "
                                     f"{self.max_request_bytes} bytes; send fewer keys or arrays per request")
+            if op == LIMITS_OP:
+                return encode_frames(Message(op, meta={"max_request_bytes": self.max_request_bytes}), request_id,
+                                     ok=True)
             operation = self.operations.get(op)
             if operation is None:
                 raise ProtocolError(f"unknown op {op!r}; this server knows {sorted(self.operations)}")
@@ -516,11 +677,14 @@ class Server:
             reply = operation.handler(request)
             return encode_frames(reply, request_id, ok=True)
         except Exception as error:  # a bad request must never take the server down
-            if isinstance(error, (ValueError, TypeError, KeyError)):  # the request's fault: one line
+            if isinstance(error, REQUEST_FAULTS):  # the request's fault: one line
                 self._bad_requests.warning("refused a bad request (op %.64r): %s: %.300s", op, type(error).__name__,
                                            " ".join(str(error).split()))
-            else:
-                log.exception("op %s failed", op)
+            elif isinstance(error, OSError):  # the machine's (a full disk, a name too long): one line too
+                self._failures.warning("op %.64r failed: %s: %.300s", op, type(error).__name__,
+                                       " ".join(str(error).split()))
+            else:  # our bug: its traceback, rate-limited too
+                self._failures.exception("op %.64r failed", op)
             kind = type(error).__name__
             return encode_frames(Message(op), request_id, ok=False, kind=kind, error=str(error))
 
@@ -549,6 +713,9 @@ class Server:
         if self._zap is not None:
             self._zap.stop()
             self._zap = None
+        if self._connections is not None:
+            self._connections.close()
+            self._connections = None
         if self._context is not None:
             self._context.term()
             self._context = None

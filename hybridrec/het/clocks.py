@@ -21,7 +21,8 @@ Server side (`ClockOps`, whose operations `EmbeddingServer` serves):
   worker_clock meta {rank, world, clock, generation} -> meta {min}: SSP's worker clocks, the
                number of iterations each trainer finished; the reply is the slowest one's (a rank
                not heard from counts 0). A higher `generation` (a restarted trainer group) starts
-               the table afresh.
+               the table afresh, and its first report fixes its world (at most the server's
+               `max_trainers`); every number is an int32, checked before any work.
 
 The server also measures the largest clock gap it sees between two trainers' copies of one key:
 whenever a trainer reads a key (a fetch, or a check that passes), its copy's clock is compared
@@ -150,21 +151,47 @@ def unpack_encoded(arrays: dict, prefix: str, shapes, count: int) -> list[dict[s
     return out
 
 
-class WorkerClocks:
-    """SSP's table of worker clocks (one per server; trainers use shard 0's)."""
+MAX_WORLD = 1 << 16  # trainers a worker-clock table serves at most (`EmbeddingServer(max_trainers=...)`)
+MAX_CLOCK = (1 << 31) - 1  # clocks, staleness and generations are int32 on the wire and in the stores
 
-    def __init__(self):
+
+def request_int(meta: dict, name: str, low: int, high: int) -> int:
+    """meta `name` as an int in [low, high] (bools are not ints here), else ValueError naming it."""
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"meta {name!r} must be an int in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+class WorkerClocks:
+    """SSP's table of worker clocks (one per server; trainers use shard 0's).
+
+    A generation's first report fixes its world (at most `max_world` trainers); the table holds
+    one clock per rank of it, and the slowest is found without walking ranks never heard from."""
+
+    def __init__(self, max_world: int = MAX_WORLD):
+        self.max_world = max_world
         self.generation = -1
+        self.world = 0
         self.clocks: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def report(self, rank: int, world: int, clock: int, generation: int) -> int:
+        if world > self.max_world:
+            raise ValueError(f"meta 'world' is {world}; this server serves at most {self.max_world} trainers "
+                             f"(serve-ps --max-trainers)")
         with self.lock:
             if generation > self.generation:
-                self.generation, self.clocks = generation, {}
-            if generation == self.generation and clock >= 0:
-                self.clocks[rank] = clock
-            return min(self.clocks.get(r, 0) for r in range(world))
+                self.generation, self.world, self.clocks = generation, world, {}
+            if generation == self.generation:
+                if world != self.world:
+                    raise ValueError(f"meta 'world' is {world}, but generation {generation} started with "
+                                     f"{self.world} trainers; a new world needs a new generation")
+                if clock >= 0:
+                    self.clocks[rank] = clock
+            if len(self.clocks) < self.world:  # a rank not heard from counts 0
+                return 0
+            return min(self.clocks.values())
 
 
 class ClockOps:
@@ -172,12 +199,13 @@ class ClockOps:
     each name in meta 'tables', `count_keys(list of key arrays)` refuses too many keys."""
 
     def __init__(self, stores_of: Callable[[dict], list[EmbeddingStore]],
-                 count_keys: Callable[[Sequence[np.ndarray]], None] = lambda keys: None):
+                 count_keys: Callable[[Sequence[np.ndarray]], None] = lambda keys: None,
+                 max_world: int = MAX_WORLD):
         self._stores_of = stores_of
         self._count_keys = count_keys
         self._gaps: dict[int, GapTracker] = {}
         self._gaps_lock = threading.Lock()
-        self.worker_clocks = WorkerClocks()
+        self.worker_clocks = WorkerClocks(max_world)
 
     def operations(self) -> dict[str, Operation]:
         return {"het_sync": Operation(self.het_sync, arrays=None),
@@ -194,21 +222,18 @@ class ClockOps:
         meta = request.meta
         stores = self._stores_of(meta)
         codec = make_value_codec(meta.get("codec", "none"))
-        staleness = meta.get("staleness")
-        if staleness is not None and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
-            raise ValueError(f"meta 'staleness' must be an int >= 0 or null (infinite), got {staleness!r}")
+        staleness = None if meta.get("staleness") is None else request_int(meta, "staleness", 0, MAX_CLOCK)
         insert = meta.get("insert", True)
         if not isinstance(insert, bool):
             raise ValueError(f"meta 'insert' must be true or false, got {insert!r}")
-        worker = meta.get("worker", -1)
-        if not isinstance(worker, int) or isinstance(worker, bool):
-            raise ValueError(f"meta 'worker' must be an int, got {worker!r}")
+        worker = request_int({"worker": -1, **meta}, "worker", -1, MAX_CLOCK)
         counts = meta.get("counts")
         if (not isinstance(counts, list) or len(counts) != len(stores)
-                or not all(isinstance(c, list) and len(c) == 3 and all(isinstance(n, int) and n >= 0 for n in c)
+                or not all(isinstance(c, list) and len(c) == 3
+                           and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_CLOCK for n in c)
                            for c in counts)):
-            raise ValueError(f"meta 'counts' must be [write-backs, fetches, checks] for each of the {len(stores)} "
-                             f"tables, got {counts!r}")
+            raise ValueError(f"meta 'counts' must be [write-backs, fetches, checks] (ints >= 0) for each of the "
+                             f"{len(stores)} tables, got {counts!r:.200}")
         arrays = dict(request.arrays)
         totals = np.sum(np.array(counts, dtype=np.int64).reshape(-1, 3), axis=0)
         packed = {}
@@ -255,12 +280,11 @@ class ClockOps:
 
     def worker_clock(self, request: Message) -> Message:
         meta = request.meta
-        values = [meta.get(k) for k in ("rank", "world", "clock", "generation")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or values[1] < 1 \
-                or not 0 <= values[0] < values[1]:
-            raise ValueError(f"worker_clock needs int meta rank (0 <= rank < world), world, clock and generation, "
-                             f"got {meta!r}")
-        return Message("worker_clock", meta={"min": self.worker_clocks.report(*values)})
+        world = request_int(meta, "world", 1, MAX_CLOCK)  # more than max_world: refused by `report`
+        rank = request_int(meta, "rank", 0, world - 1)
+        clock = request_int(meta, "clock", -1, MAX_CLOCK)  # -1: ask without reporting
+        generation = request_int(meta, "generation", 0, MAX_CLOCK)
+        return Message("worker_clock", meta={"min": self.worker_clocks.report(rank, world, clock, generation)})
 
 
 # ---------------------------------------------------------------- trainer side

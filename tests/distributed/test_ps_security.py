@@ -16,7 +16,7 @@ import pytest
 
 from hybridrec.comm.auth import (AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, AuthError, JobKey, key_from_environment,
                                  launcher_environment, write_key_file)
-from hybridrec.comm.transport import Client, Operation, RemoteError, Server
+from hybridrec.comm.transport import Client, Operation, RemoteError, RequestTooLarge, Server
 from hybridrec.ps import PSClient, serve
 from hybridrec.ps.server import main as server_main
 from helpers import raw_request
@@ -256,9 +256,13 @@ def test_requests_with_too_many_keys_or_bytes_are_refused(started):
                                         "keys.1": np.arange(60, dtype=np.uint64)}, {"tables": ["user", "user"]})
         limit = server.transport.max_request_bytes
         chunks = {f"c{i}": np.zeros(limit // 4 // 2, np.float32) for i in range(3)}  # each frame under the limit
-        with pytest.raises(RemoteError, match=f"larger than this server's limit of {limit} bytes"):
-            raw.request("dense_push", chunks)
+        with pytest.raises(RequestTooLarge, match=f"larger than this server's limit of {limit} bytes"):
+            raw.request("dense_push", chunks)  # the client asks the limit first and does not send it
         assert raw.request("stats").meta["tables"]["user"]["size"] == 0
+    header = json.dumps({"op": "dense_push", "id": 7, "arrays": [["c", "<f4", [limit // 4 + 10]]]}).encode()
+    for frames in ([header, bytes(limit + 40)], [header, *[bytes(limit // 2)] * 3]):  # one frame over, or many
+        reply = raw_request(server.address, frames)  # a bare client that sends it anyway gets an answer
+        assert reply["ok"] is False and f"larger than this server's limit of {limit} bytes" in reply["error"]
     with PSClient([server.address], max_keys_per_request=100) as client:  # a client that splits is served
         assert client.lookup("user", np.arange(250, dtype=np.uint64)).shape == (250, 8)
 
