@@ -1,5 +1,5 @@
-"""The `hybridrec` command: train, eval, data synth, models, plan, bench, serve-ps,
-embedding-worker, launch.
+"""The `hybridrec` command: train, eval, export, predict, serve, data synth, models, plan, bench,
+serve-ps, embedding-worker, launch.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are
@@ -81,7 +81,40 @@ def cmd_eval(args) -> int:
                         "the config saved with the checkpoint")
     cfg = None if args.config is None else load_config(args.config, args.set)
     print(json_text(evaluate_checkpoint(cfg, args.checkpoint, config_name=args.config or "the config")))
+    if args.predictions is not None:
+        from hybridrec.serving.predict_file import checkpoint_predictions
+        from hybridrec.train.checkpoint import config_for_checkpoint
+        from hybridrec.train.loop import checkpoint_directory
+
+        cfg = config_for_checkpoint(checkpoint_directory(args.checkpoint), cfg, args.config or "the config")
+        written = checkpoint_predictions(cfg, args.checkpoint, args.predictions)
+        print(f"hybridrec eval: wrote the scores of {written['rows']} test rows to {args.predictions}", file=sys.stderr)
     return 0
+
+
+def cmd_export(args) -> int:
+    from hybridrec.config import load_config
+    from hybridrec.serving.export import export
+
+    cfg = None if args.config is None else load_config(args.config, args.set)
+    path = export(args.source, args.out, precision=args.precision, config=cfg, config_name=args.config or "the config")
+    print(f"hybridrec export: wrote bundle {path} ({args.precision})")
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from hybridrec.serving.predict_file import predict_file
+
+    done = predict_file(args.bundle, args.data, args.out, version=args.version, strict=args.strict)
+    print(f"hybridrec predict: {done['rows']} rows ({done['scored']} scored, {done['bad_rows']} bad) with version "
+          f"{done['version']} -> {args.out}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from hybridrec.serving.server import main as serve_main
+
+    return serve_main(args)
 
 
 def cmd_data_synth(args) -> int:
@@ -191,7 +224,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML job file (default: the config saved with the checkpoint)")
     p.add_argument("--checkpoint", required=True, help="a step-N checkpoint directory or a run's output_dir")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--predictions", metavar="FILE", help="also write the test rows' scores to this CSV (header "
+                   "`score`, or `score_<task>` per task; one line per test row, in order), as `hybridrec predict` "
+                   "writes them")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a checkpoint of any strategy as an inference bundle",
+                       description="Write a training checkpoint (local, persia, het, picasso, des or ht) as a "
+                       "self-contained bundle: each table's keys and weights, the dense model, the feature pipeline "
+                       "and a manifest (see docs/serving.md).")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run's output_dir (its latest checkpoint) or a step-N "
+                   "checkpoint directory")
+    p.add_argument("--out", required=True, metavar="BUNDLE", help="the bundle directory to write (must not exist)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="the tables' weights: fp32 as trained, fp16, or int8 row-wise (a scale and bias per row)")
+    p.add_argument("--config", help="YAML job file building the same model (default: the config saved with the "
+                   "checkpoint)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("predict", help="score a data file with a bundle",
+                       description="Score every row of a data file in the training data's format (the label "
+                       "column may be empty or absent) in constant memory; the CSV has a header (`score`, or "
+                       "`score_<task>` per task) and one line per data row, in order (rows that cannot be parsed "
+                       "get an empty score and are reported).")
+    p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory, or a directory of published versions")
+    p.add_argument("--data", required=True, metavar="FILE", help="the rows to score")
+    p.add_argument("--out", required=True, metavar="PREDICTIONS.csv")
+    p.add_argument("--version", type=int, metavar="V", help="in a directory of versions: this one (default: the newest)")
+    p.add_argument("--strict", action="store_true", help="the first row that cannot be parsed is an error")
+    p.set_defaults(func=cmd_predict)
+
+    from hybridrec.serving.options import add_serve_arguments
+
+    p = sub.add_parser("serve", help="serve a bundle over HTTP (POST /predict)",
+                       description="Serve a bundle, or the newest version of a directory of published versions "
+                       "(followed as new ones appear), over HTTP: POST /predict, GET /health, /version, /metrics, "
+                       "POST /rollback. Needs hybridrec[serve]; --ray runs it as a Ray Serve deployment "
+                       "(hybridrec[ray]).")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("data", help="data utilities", description="Data utilities.")
     dsub = p.add_subparsers(dest="data_command", required=True)

@@ -85,6 +85,13 @@ class JobKey:
     def new(cls) -> "JobKey":
         return cls.from_text(secrets.token_hex(32), "a new key")
 
+    def http_token(self) -> str:
+        """The bearer token of the job's HTTP servers (`hybridrec serve`): derived from the job
+        key, so one key secures every server of a job, and a token seen on the wire does not
+        give away the key or the CURVE pairs."""
+        raw = bytes.fromhex(self.secret)
+        return hashlib.sha256(b"hybridrec http token " + raw).hexdigest()
+
     def secure_server(self, socket: zmq.Socket) -> None:
         """Make `socket` (before it binds) a CURVE server that the ZAP handler vets."""
         socket.curve_server = True
@@ -245,7 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     new = commands.add_parser("new", help="write a new job key to a new file only you can read (0600)")
     new.add_argument("file")
+    commands.add_parser("http-token", help=f"print the bearer token of `hybridrec serve` for the job key of "
+                        f"{AUTH_KEY_FILE_ENV} or {AUTH_KEY_ENV}")
     args = parser.parse_args(argv)
+    if args.command == "http-token":
+        key = key_from_environment()
+        if key is None:
+            parser.error(f"no job key: {HOW_TO}")
+        print(key.http_token())
+        return 0
     try:
         write_key_file(args.file)
     except OSError as error:

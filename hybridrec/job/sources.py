@@ -113,6 +113,13 @@ def _schema(cfg: DataConfig) -> TabularSchema:
     return cfg.schema
 
 
+def file_schema(cfg: DataConfig) -> TabularSchema:
+    """How a data file of this config is read: the format's schema, data.schema for tabular
+    files, and for synthetic data the TSV that `hybridrec data synth` writes (read back into the
+    very batches the generator yields)."""
+    return _synthetic_config(cfg).schema() if cfg.format == "synthetic" else _schema(cfg)
+
+
 def data_layout(cfg: DataConfig) -> tuple[list[str], int, list[str]]:
     """(sparse feature names, number of dense features, label names) from the config alone,
     without reading any data: what the roles of a distributed job agree on before they start."""

@@ -220,3 +220,23 @@ def config_for_checkpoint(path, given=None, given_name: str = "the config"):
         raise ConfigError(f"{given_name} builds another model than checkpoint {path} holds; leave the config out to "
                           f"use the one saved with it ({path / CONFIG}). Differences: " + "; ".join(differences))
     return given
+
+
+def model_state(path) -> dict:
+    """The dense model's weights of checkpoint `path`: dense.pt's, except that the parameters the
+    PS servers hold (their `dense/` directories: Hierarchical Training's centre copy, which is the
+    job's result, or the async discipline's parameters) are taken from them. What evaluation and
+    export read, so both score the same model."""
+    from hybridrec.ps.dense import DenseStore
+    from hybridrec.strategy.placement.checkpoint_layout import shard_directories
+
+    state = dict(read_dense(path)["model"])
+    for shard in shard_directories(Path(path) / "embeddings"):
+        try:
+            store = DenseStore.load(shard / "dense", {name: list(value.shape) for name, value in state.items()})
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint: {exc}") from None
+        held = [name for name in store.shapes() if name in state]
+        for name, value in store.pull(held).items():
+            state[name] = torch.from_numpy(value.copy()).reshape(state[name].shape).to(state[name].dtype)
+    return state

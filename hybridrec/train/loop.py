@@ -26,7 +26,7 @@ from hybridrec.strategy import build_strategy
 from hybridrec.strategy.world import World
 from hybridrec.comm.transport import RemoteError
 from hybridrec.train.checkpoint import (CheckpointError, CheckpointTimer, checkpoint_root, complete_checkpoints, config_for_checkpoint,
-                                        latest_checkpoint, read_dense, read_progress, remove_interrupted_writes,
+                                        latest_checkpoint, model_state, read_dense, read_progress, remove_interrupted_writes,
                                         save_checkpoint)
 from hybridrec.metrics import MetricAccumulator
 from hybridrec.train.best import BestKeeper
@@ -513,20 +513,19 @@ def checkpoint_directory(checkpoint) -> Path:
 
 
 def load_local(cfg: JobConfig, checkpoint):
-    """(dense model, local placement, progress) of a local run's checkpoint (a step-N directory
-    or an output dir, whose latest checkpoint is taken). A DES run's (field_sharded) checkpoint is
-    one: the whole model's state and every table in the local layout."""
+    """(dense model, local placement, progress) of a checkpoint of any strategy (a step-N
+    directory or an output dir, whose latest checkpoint is taken), in this process: the model's
+    weights as `model_state` reads them (HT's centre copy where the PS servers hold it) and every
+    table, from the local layout (local, DES) or merged from the shards the PS servers (persia,
+    het, ht) or PICASSO's trainers wrote."""
     from hybridrec.strategy.placement.local import LocalPlacement
 
-    if cfg.strategy.distributed and cfg.strategy.resolved["placement"] != "field_sharded":
-        raise ConfigError(f"hybridrec eval reads checkpoints of local runs; this config's placement is "
-                          f"{cfg.strategy.resolved['placement']!r}, whose tables live on its PS servers")
     path = checkpoint_directory(checkpoint)
     tables = job_tables(cfg)
     model = dense_model(cfg, tables)
     placement = LocalPlacement(cfg, tables, World())
     progress = read_progress(path, cfg)
-    model.load_state_dict(read_dense(path)["model"])
+    model.load_state_dict(model_state(path))
     _load_embeddings(placement, path)
     return model, placement, {**progress, "checkpoint": str(path)}
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from hybridrec.config import ConfigError
 from hybridrec.embedding import EmbeddingCollection
-from hybridrec.embedding.checkpoint import load as load_store
+from hybridrec.embedding.checkpoint import load as load_store, load_resharded
 from hybridrec.embedding.inputs import EmbeddingInputs
 from hybridrec.strategy.placement import PlacementDefaults
+from hybridrec.strategy.placement.checkpoint_layout import local_directory, table_directories
 
 
 class _InProcess:
@@ -80,20 +81,26 @@ class LocalPlacement(PlacementDefaults):
                      for side, ahead in looked.items())
         return shared, sum(ahead.unique_rows for ahead in looked.values())
 
-    def _directories(self, root: Path):
+    def _tables(self):
         for side, collection in self.collections.items():
             for table, store in collection.stores.items():
-                yield collection, table, store, Path(root) / side / table.replace(":", "_")
+                yield side, collection, table, store
 
     def save(self, directory: Path) -> None:
-        for _, _, store, path in self._directories(directory):
-            store.save(path)
+        for side, _, table, store in self._tables():
+            store.save(local_directory(directory, side, table))
 
     def load(self, directory: Path) -> None:
-        for collection, table, store, path in list(self._directories(directory)):
-            # the running config decides the capacity and threads; the checkpoint the rows
-            collection.replace_store(table, load_store(path, capacity=store.config.capacity,
-                                                       num_threads=store.config.num_threads))
+        """The tables of a checkpoint of any placement: its own layout, or the sharded layout of
+        the PS servers and the sharded placement, every shard's rows merged into one store."""
+        for side, collection, table, store in list(self._tables()):
+            found = table_directories(directory, side, table)
+            if found == [local_directory(directory, side, table)]:
+                # the running config decides the capacity and threads; the checkpoint the rows
+                loaded = load_store(found[0], capacity=store.config.capacity, num_threads=store.config.num_threads)
+            else:  # room for every shard's rows (load_resharded's default capacity: the shards' total)
+                loaded = load_resharded(found, 0, 1, num_threads=store.config.num_threads)
+            collection.replace_store(table, loaded)
 
     def expire(self, step: int, now: float) -> int:
         return sum(store.expire(step, now) for collection in self.collections.values()
