@@ -101,3 +101,23 @@ def test_every_file_the_readme_names_exists():
             elif path.is_dir():
                 folder = path
     assert not missing, f"README.md names files that do not exist: {missing}"
+
+
+def _packages() -> set[str]:
+    root = REPO / "hybridrec"
+    return {p.name.removesuffix(".py") for p in root.iterdir()
+            if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+
+
+def test_architecture_stands_alone_and_maps_every_package():
+    """docs/architecture.md is the map of a clone: it names no guide or issue the clone does not
+    have, and its layer table has a row for every top-level package."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    elsewhere = re.findall(r"DESIGN\.md|\.\./shared|\bissues? #?\d+|(?<![\w/])#\d+\b", text)
+    assert not elsewhere, f"docs/architecture.md refers to what a clone does not have: {elsewhere}"
+    mapped = set()
+    for line in text.splitlines():
+        match = re.match(r"\| \d+ \| (.+?) \|", line)
+        if match:
+            mapped.update(re.findall(r"`(\w+)`", match.group(1)))
+    assert _packages() <= mapped, f"packages without a row in the map: {sorted(_packages() - mapped)}"
