@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import logging
 import math
 import threading
@@ -148,6 +149,17 @@ def parse_header(frame: zmq.Frame | bytes) -> dict[str, Any]:
     return header
 
 
+_HEADER_START = re.compile(rb'\{"op":"([^"\\]{0,64})","id":(-?[0-9]{1,19})[,}]')
+
+
+def _op_and_id(frame: zmq.Frame | bytes) -> tuple[str, int]:
+    """The op and id at the start of a header as `encode_frames` writes it, without parsing the
+    rest (("?", -1) when it does not start so), so that a header too large or malformed to parse
+    still gets an error reply its client can match."""
+    match = _HEADER_START.match(bytes(_frame_bytes(frame)[:128]))
+    return (match[1].decode(), int(match[2])) if match else ("?", -1)
+
+
 def decode_frames(header: dict[str, Any], frames: Sequence[zmq.Frame | bytes]) -> Message:
     """The Message whose header is `header` and whose array payloads are `frames`."""
     descriptors = header.get("arrays", [])
@@ -237,6 +249,9 @@ class Client:
                 recv_monitor_message(self._monitor)
         request_id = next(self._ids)
         frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
+        if len(frames[0]) > MAX_HEADER_BYTES:
+            raise RequestTooLarge(f"{op} to {self.address}: its header (meta and array names) takes {len(frames[0])} "
+                                  f"bytes, more than the {MAX_HEADER_BYTES} a server reads")
         size = sum(memoryview(frame).nbytes for frame in frames)
         if size > MAX_HEADER_BYTES:
             self._check_size(op, size)
@@ -659,7 +674,7 @@ class Server:
     def _answer(self, frames: list[zmq.Frame], oversize: bytes = b"") -> list:
         """The reply frames for one request's frames (header + arrays); never raises.
         `oversize`: the request's size, when it was over the limit (its arrays were dropped)."""
-        op, request_id = "?", -1
+        op, request_id = _op_and_id(frames[0])  # for the error reply of a header that does not parse
         try:
             header = parse_header(frames[0])
             op, request_id = header["op"], header["id"]

@@ -29,6 +29,7 @@ trainer does.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -46,10 +47,12 @@ from hybridrec.ps.client import PSClient
 from hybridrec.ps.server import listening_address, run_until_stopped
 from hybridrec.models.dense_optimizer import optimizer_of
 from hybridrec.hierarchical.elastic_averaging import ElasticSync
+from hybridrec.comm.compression import WIRE_CODECS
 from hybridrec.hierarchical.remote_wire import GradientSender, pack_tensors, unpack_tensors, wire_codec
 
 READY = "hybridrec-group-ps listening on "
 MAX_PENDING = 64  # graphs kept per caller awaiting their backward; older ones are dropped and counted
+MAX_ROW_VALUES = 1 << 16  # values of one sample in one input of a unit
 
 
 @dataclass
@@ -78,13 +81,15 @@ class GroupPS(Service):
     def __init__(self, units: Sequence[Unit], optimizer: Mapping[str, Any], *, wire: str = "none",
                  topk_ratio: float = 0.01, centre: Sequence[str] = (), alpha: float = 0.1, period: int = 4,
                  slices: dict | None = None, host: str = "127.0.0.1", port: int = 0, threads: int = 2,
-                 timeout: float = 10.0, retries: int = 2):
+                 timeout: float = 10.0, retries: int = 2, callers: int = 64, max_rows: int = 1 << 16):
         self.units = {unit.name: unit for unit in units}
         for unit in units:
             unit.module.train()
             params = list(unit.module.parameters())
             unit.optimizer = optimizer_of(optimizer, params) if params else None
         self.forward_codec, self._make_backward = wire_codec(wire, topk_ratio)
+        self.codecs = WIRE_CODECS[wire]  # (forward, backward): what requests may use
+        self.callers, self.max_rows = callers, max_rows
         self.senders: dict[int, GradientSender] = {}  # caller -> the encoder of the input gradients it gets back
         self.pending: dict[tuple[int, str, int], _Pending] = OrderedDict()
         self._pending_lock = threading.Lock()
@@ -143,21 +148,31 @@ class GroupPS(Service):
                              f"{sorted(self.units)}")
         return unit
 
-    @staticmethod
-    def _key(meta: dict) -> tuple[int, str, int]:
+    def _key(self, meta: dict) -> tuple[int, str, int]:
         """(caller, unit, call): a caller numbers its calls of each unit."""
         caller, call = meta.get("caller"), meta.get("call")
-        for name, value in (("caller", caller), ("call", call)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"meta {name} must be an int >= 0, got {value!r:.40}")
+        for name, value, most in (("caller", caller, self.callers - 1), ("call", call, (1 << 62))):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+                raise ValueError(f"meta {name} must be an int in [0, {most}] (the group's trainers, their calls), "
+                                 f"got {value!r:.40}")
         return caller, meta["unit"], call
+
+    def _fits_input(self, shape: list) -> str | None:
+        """Why a unit's input of `shape` is refused before it is decoded (None: it fits)."""
+        rows = shape[0] if shape else 1
+        if not isinstance(rows, int) or rows > self.max_rows:
+            return f"has more rows than the job's batches ({self.max_rows})"
+        if math.prod(shape[1:]) > MAX_ROW_VALUES:
+            return f"has more than {MAX_ROW_VALUES} values a row"
+        return None
 
     def _ping(self, request: Message) -> Message:
         return Message("ping", meta={"pid": os.getpid(), "units": sorted(self.units)})
 
     def _forward(self, request: Message) -> Message:
         unit, key = self._unit(request.meta), self._key(request.meta)
-        inputs, nbytes = unpack_tensors(request.arrays, request.meta.get("inputs"), "in")
+        inputs, nbytes = unpack_tensors(request.arrays, request.meta.get("inputs"), "in", {self.codecs[0]},
+                                        self._fits_input)
         train = request.meta.get("train") is True
         wants = request.meta.get("grads", [False] * len(inputs))
         if not isinstance(wants, list) or len(wants) != len(inputs):
@@ -186,7 +201,12 @@ class GroupPS(Service):
 
     def _backward(self, request: Message) -> Message:
         unit, key = self._unit(request.meta), self._key(request.meta)
-        grads_in, nbytes = unpack_tensors(request.arrays, request.meta.get("grad"), "grad")
+        with self._pending_lock:
+            kept = self.pending.get(key)
+        output = None if kept is None else list(kept.output.shape)
+        grads_in, nbytes = unpack_tensors(  # sized by the kept output, checked before decoding
+            request.arrays, request.meta.get("grad"), "grad", {self.codecs[1]},
+            lambda shape: None if shape == output else f"is not the output's shape {output}")
         with self._pending_lock:
             kept = self.pending.pop(key, None)
         if kept is None:

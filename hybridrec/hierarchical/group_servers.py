@@ -91,7 +91,9 @@ class GroupServers:
                                   wire=ht.wire_codec, topk_ratio=strategy.topk_ratio, centre=centre_addresses,
                                   alpha=ht.alpha, period=ht.period, threads=self.trainers_threads(),
                                   slices={k: v for k, v in slices.items() if k in mine},
-                                  timeout=strategy.request_timeout, retries=strategy.retries)
+                                  timeout=strategy.request_timeout, retries=strategy.retries,
+                                  callers=self.trainers_per_group,
+                                  max_rows=max(self.cfg.data.batch_size, self.cfg.data.eval_batch_size or 0))
                 process, address = start_group_ps(spec)
                 self.processes.append(process)
                 addresses.append(address)

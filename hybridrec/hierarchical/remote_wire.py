@@ -70,12 +70,24 @@ def pack_tensors(encode, tensors: Sequence[torch.Tensor | None], prefix: str) ->
     return arrays, {"slots": slots, "bytes": total}
 
 
-def unpack_tensors(arrays: Mapping[str, np.ndarray], meta: Any, prefix: str) -> tuple[list[torch.Tensor | None], int]:
+def unpack_tensors(arrays: Mapping[str, np.ndarray], meta: Any, prefix: str, codecs: set[str] | None = None,
+                   fits=None) -> tuple[list[torch.Tensor | None], int]:
     """(the float32 tensors `pack_tensors` packed, their bytes on the wire); ValueError naming
-    what is malformed."""
+    what is malformed. Before any is decoded, each must use one of `codecs` (when given) and
+    `fits(shape)` must return None (else the reason its shape is refused)."""
     slots = meta.get("slots") if isinstance(meta, dict) else None
     if not isinstance(slots, list) or len(slots) > MAX_SLOTS:
         raise ValueError(f"{prefix}: meta slots must be a list of at most {MAX_SLOTS} entries, got {slots!r:.100}")
+    for i, about in enumerate(slots):
+        if about is None:
+            continue
+        codec = about.get("codec") if isinstance(about, dict) else None
+        if codecs is not None and codec not in codecs:
+            raise ValueError(f"{prefix}{i}: codec {codec!r:.40} is not this job's wire codec {sorted(codecs)}")
+        shape = about.get("shape") if isinstance(about, dict) else None
+        why = fits(shape) if fits is not None and isinstance(shape, list) else None
+        if why is not None:
+            raise ValueError(f"{prefix}{i}: shape {shape!r:.100} {why}")
     out, total = [], 0
     for i, about in enumerate(slots):
         if about is None:

@@ -18,7 +18,9 @@ The worker keeps no state across restarts: batches buffered when it dies are los
 push of a lost batch is answered with `lost: true` and counted, as Persia does. Lookups to a PS
 shard that died are retried until it is back (restarted on its shared memory); a push it did
 not acknowledge is not retried (it may have been applied) and is counted as unacknowledged. The buffer
-holds at most `max_buffered` batches; older ones are dropped and counted.
+holds at most `max_buffered` batches and `max_buffered_bytes` of IDs; older ones are dropped and
+counted. A put of more samples than the job's batches have (`max_batch_size`) is refused before
+its IDs are decoded.
 
 Run one with `hybridrec embedding-worker CONFIG --rank 0 --ps tcp://127.0.0.1:7001,...`.
 """
@@ -72,11 +74,14 @@ class EmbeddingWorker(Service):
     def __init__(self, tables: JobTables, ps_addresses: Sequence[str], rank: int, *,
                  host: str = "127.0.0.1", port: int = 0, threads: int = 2, id_codec: str = "unique",
                  value_codec: str = "none", timeout: float = 30.0, retries: int = 3,
-                 max_buffered: int = 256):
+                 max_buffered: int = 256, max_buffered_bytes: int = 1 << 30, max_batch_size: int = 1 << 16,
+                 max_connections: int = 256):
         if not isinstance(rank, int) or not 0 <= rank <= MAX_RANK:
             raise ValueError(f"rank must be an int in [0, {MAX_RANK}] (it is a sample id's first byte), got {rank!r}")
-        if not isinstance(max_buffered, int) or max_buffered < 1:
-            raise ValueError(f"max_buffered must be an int >= 1, got {max_buffered!r}")
+        for name, value in (("max_buffered", max_buffered), ("max_buffered_bytes", max_buffered_bytes),
+                            ("max_batch_size", max_batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.tables, self.rank = tables, rank
         self.ps_addresses = check_addresses(ps_addresses, "ps_addresses")  # clients connect lazily, per thread
         self.id_codec = make_id_codec(id_codec)
@@ -86,8 +91,9 @@ class EmbeddingWorker(Service):
         self._ps_options = dict(timeout=timeout, retries=retries, value_codec=value_codec)
         self._ps = threading.local()  # one PSClient per server thread (clients are not thread-safe)
         self._ps_clients: list[PSClient] = []
-        self.max_buffered = max_buffered
+        self.max_buffered, self.max_buffered_bytes, self.max_batch_size = max_buffered, max_buffered_bytes, max_batch_size
         self._buffer: OrderedDict[int, _Buffered] = OrderedDict()
+        self._buffered_bytes = 0
         self._lock = threading.Lock()
         self._next_sample = 0
         self.counters = {"puts": 0, "pulls": 0, "pushes": 0, "dropped_batches": 0, "lost_pulls": 0,
@@ -101,7 +107,7 @@ class EmbeddingWorker(Service):
             "stats": Operation(self._stats),
             "shutdown": Operation(self._shutdown),
         }
-        self.transport = Server(operations, host=host, port=port, threads=threads)
+        self.transport = Server(operations, host=host, port=port, threads=threads, max_connections=max_connections)
 
     def _release(self) -> None:
         for client in self._ps_clients:
@@ -127,24 +133,35 @@ class EmbeddingWorker(Service):
         encoded = Encoded(request.meta.get("codec"), dict(request.arrays), request.meta.get("codec_meta", {}))
         if encoded.codec != self.id_codec.name:
             raise ValueError(f"meta 'codec' is {encoded.codec!r}; this job's ID codec is {self.id_codec.name!r}")
+        declared = encoded.meta.get("batch_size") if isinstance(encoded.meta, dict) else None
+        if isinstance(declared, int) and declared > self.max_batch_size:  # checked before decoding sizes anything
+            raise ValueError(f"codec_meta 'batch_size' is {declared}; this job's batches have at most "
+                             f"{self.max_batch_size} samples (data.batch_size, data.eval_batch_size)")
         features = self.id_codec.decode(encoded)
         if sorted(features.names) != sorted(self.tables.sparse_names):
             raise ValueError(f"the batch has features {features.names}; this job's sparse features are "
                              f"{self.tables.sparse_names}")
         batch = features.batch_size
-        if batch >= 1 << SAMPLE_ID_RANK_SHIFT:
-            raise ValueError(f"batch of {batch} samples is too large for one put")
+        nbytes = features.values.nbytes + features.offsets.nbytes
+        if nbytes > self.max_buffered_bytes:
+            raise ValueError(f"the batch's IDs take {nbytes} bytes, more than this worker buffers in all "
+                             f"({self.max_buffered_bytes})")
         with self._lock:
             if self._next_sample + batch >= 1 << SAMPLE_ID_RANK_SHIFT:
                 self._next_sample = 0  # the 56-bit counter wraps after 7e16 samples
             first = (self.rank << SAMPLE_ID_RANK_SHIFT) | self._next_sample
             self._next_sample += max(batch, 1)
             self._buffer[first] = _Buffered(features)
-            while len(self._buffer) > self.max_buffered:
-                self._buffer.popitem(last=False)
+            self._buffered_bytes += nbytes
+            while len(self._buffer) > self.max_buffered or self._buffered_bytes > self.max_buffered_bytes:
+                self._forget(self._buffer.popitem(last=False)[1])
                 self.counters["dropped_batches"] += 1
             self.counters["puts"] += 1
         return Message("put", meta={"first_sample_id": first, "batch_size": batch})
+
+    def _forget(self, entry: _Buffered) -> None:
+        """Book a batch that left the buffer (the lock is held)."""
+        self._buffered_bytes -= entry.features.values.nbytes + entry.features.offsets.nbytes
 
     def _layout(self, entry: _Buffered) -> BatchLayout:
         if entry.layout is None:
@@ -158,6 +175,8 @@ class EmbeddingWorker(Service):
             raise ValueError(f"meta 'train' must be true or false, got {train!r}")
         with self._lock:
             entry = self._buffer.get(first) if train else self._buffer.pop(first, None)
+            if entry is not None and not train:
+                self._forget(entry)
         if entry is None:
             self._count("lost_pulls")
             return Message("pull", meta={"lost": True})
@@ -219,9 +238,11 @@ class EmbeddingWorker(Service):
             return Message("push", meta={"lost": True, "dropped": 0})
         grads = self._gradients(request, self._layout(entry))
         with self._lock:  # the batch leaves the buffer once its gradients are checked
-            if self._buffer.pop(first, None) is None:
+            entry = self._buffer.pop(first, None)
+            if entry is None:
                 self.counters["lost_pushes"] += 1
                 return Message("push", meta={"lost": True, "dropped": 0})
+            self._forget(entry)
         try:
             dropped = self._client().push_tables(grads, unique=self.unique_rows)
         except TimeoutError:
@@ -266,7 +287,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.persia.
         worker = EmbeddingWorker(job_tables(cfg), addresses, args.rank, host=args.host,
                                  port=args.port, threads=args.threads, id_codec=strategy.id_codec,
                                  value_codec=strategy.value_codec, timeout=strategy.request_timeout,
-                                 retries=strategy.retries, max_buffered=strategy.max_buffered_batches)
+                                 retries=strategy.retries, max_buffered=strategy.max_buffered_batches,
+                                 max_batch_size=max(cfg.data.batch_size, cfg.data.eval_batch_size or 0))
     except ValueError as error:  # ConfigError too: a bad config, --ps, --rank, --threads or --port
         parser.error(str(error))
     worker.start()

@@ -133,9 +133,10 @@ class DenseStore:
         return {n: self._params[n].detach().numpy().copy() for n in names}
 
     def pull(self, names: Iterable[str]) -> dict[str, np.ndarray]:
-        """Copies of the current values of `names`."""
+        """Copies of the current values of `names` (each once, however often it is named)."""
+        names = list(dict.fromkeys(names))
         with self._lock:
-            return self._values(list(names))
+            return self._values(names)
 
     def push(self, grads: Mapping[str, np.ndarray]) -> int:
         """One optimizer step on each named tensor; returns the number of pushes applied so far.

@@ -65,7 +65,7 @@ from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.ps.client import part_arrays, split_parts
-from hybridrec.het.clocks import ClockOps
+from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.dense import DenseStore
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
@@ -132,9 +132,11 @@ class EmbeddingServer(Service):
     def __init__(self, stores: dict[str, EmbeddingStore], *, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 2, dense_params: Mapping[str, Sequence[int]] | None = None,
                  checkpoint_root: str | Path | None = None, max_keys_per_request: int = MAX_KEYS_PER_REQUEST,
-                 key: JobKey | None = FROM_ENVIRONMENT):
+                 key: JobKey | None = FROM_ENVIRONMENT, max_trainers: int = MAX_WORLD, max_connections: int = 256):
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
+        if not isinstance(max_trainers, int) or not 1 <= max_trainers <= MAX_WORLD:
+            raise ValueError(f"max_trainers must be an int in [1, {MAX_WORLD}], got {max_trainers!r}")
         self.stores = dict(stores)
         self.dense = DenseStore(dense_params)
         self.max_keys_per_request = max_keys_per_request
@@ -155,11 +157,11 @@ class EmbeddingServer(Service):
             "load": Operation(self._load),
             "shutdown": Operation(self._shutdown),
         }
-        self.clock_ops = ClockOps(self._stores_of, self._count_keys)
+        self.clock_ops = ClockOps(self._stores_of, self._count_keys, max_trainers)
         operations.update(self.clock_ops.operations())
         limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
         self.transport = Server(operations, host=host, port=port, threads=threads, max_request_bytes=limit,
-                                key=key)
+                                key=key, max_connections=max_connections)
 
     def _release(self) -> None:
         for store in self.stores.values():
@@ -366,7 +368,8 @@ def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec
     `port=0` picks a free port (read it from the returned server's `.address`). With
     `block=True` this returns only after a `shutdown` request, SIGTERM or Ctrl-C, with the
     server stopped; with `block=False` it returns the running server at once. `limits`:
-    `dense_params`, `checkpoint_root`, `max_keys_per_request` of `EmbeddingServer`. The job key
+    `dense_params`, `checkpoint_root`, `max_keys_per_request`, `max_trainers`, `max_connections`
+    of `EmbeddingServer`. The job key
     is checked (AuthError off loopback without one) before any table is opened.
     """
     key = server_key(host, key)
@@ -467,6 +470,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
                              "(without it they are refused)")
     parser.add_argument("--max-keys-per-request", type=int, default=MAX_KEYS_PER_REQUEST, metavar="N",
                         help=f"refuse requests with more keys (default {MAX_KEYS_PER_REQUEST})")
+    parser.add_argument("--max-trainers", type=int, default=MAX_WORLD, metavar="N",
+                        help=f"SSP's worker clocks serve at most N trainers (default {MAX_WORLD})")
+    parser.add_argument("--max-connections", type=int, default=256, metavar="N",
+                        help="refuse connections past N at their handshake (default 256)")
     args = parser.parse_args(argv)
     if args.sets and not args.config:
         parser.error("--set overrides values of --config; give --config PATH too")
@@ -495,7 +502,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     try:
         server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False, key=key,
                        dense_params=dense_params, checkpoint_root=args.checkpoint_root,
-                       max_keys_per_request=args.max_keys_per_request)
+                       max_keys_per_request=args.max_keys_per_request, max_trainers=args.max_trainers,
+                       max_connections=args.max_connections)
     except ValueError as error:
         parser.error(str(error))
     run_until_stopped(server, on_ready=lambda: print(

@@ -11,8 +11,10 @@ import pytest
 import zmq
 
 from hybridrec.comm.flow import Flow, FlowLimits
-from hybridrec.comm.transport import Client, Message, Operation, Server, ServerFull, encode_frames
+from hybridrec.comm.transport import (Client, Message, Operation, RequestTooLarge, Server, ServerFull,
+                                      encode_frames)
 from hybridrec.ps.server import launch
+from helpers import raw_request
 
 DIM, KEYS = 64, 16_384
 REPLY_BYTES = KEYS * DIM * 4  # 4 MiB a lookup reply
@@ -86,6 +88,19 @@ def test_a_connection_has_a_bounded_number_of_requests_in_flight_and_the_workers
     assert flow.answered(b"a")
     flow.sent(b"a")  # one reply out: one held request may run
     assert flow.held_bytes == 200 and [flow.next_request()[1] for _ in range(5)] == [[1], [2], [3], ["b"], [4]]
+
+
+def test_a_header_too_large_to_parse_gets_an_error_reply_its_client_can_match():
+    server = Server({"ping": Operation(lambda request: Message("ping"))}, key=None)
+    server.start()
+    try:
+        header = json.dumps({"op": "ping", "id": 41, "meta": {"names": ["x" * 100] * 20_000}}).encode()
+        reply = raw_request(server.address, [header])
+        assert (reply["id"], reply["ok"]) == (41, False) and "more than the 1048576 allowed" in reply["error"]
+        with Client(server.address, timeout=5) as client, pytest.raises(RequestTooLarge, match="its header"):
+            client.request("ping", meta={"names": ["x" * 100] * 20_000})  # refused before it is sent
+    finally:
+        assert server.stop(timeout=5)
 
 
 def test_connections_past_the_cap_are_refused_with_a_clear_error_and_the_others_served():
