@@ -1,5 +1,6 @@
 """Evaluation metrics for CTR models: exact AUC, logloss, normalized entropy, and a
-streaming accumulator that gathers predictions over batches (per task).
+streaming accumulator that gathers predictions over batches (per task); and the histogram in
+which training reports how stale its reads were (`StalenessHistogram`).
 
 All functions take probabilities (not logits) and binary labels as 1-d arrays and are
 vectorised numpy: AUC is rank based, O(n log n), with tied scores given their average
@@ -149,3 +150,58 @@ class MetricAccumulator:
             results[f"{prefix}ne"] = normalized_entropy(y, p, self.eps)
         results["count"] = float(labels.shape[0])
         return results
+
+
+class StalenessHistogram:
+    """Counts of non-negative integers (the staleness of reads: updates or steps a read missed)
+    in power-of-two buckets: 0, 1, 2-3, 4-7, ...; with the exact count, sum and maximum. Two
+    histograms merge by adding (`merge`), so each trainer keeps its own and the job sums them.
+    `as_dict()` is what final_metrics.json holds; `from_dict` reads it back."""
+
+    BUCKETS = 40
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BUCKETS, np.int64)
+        self.total = 0
+        self.sum = 0
+        self.max = 0
+
+    def add(self, values) -> None:
+        values = np.asarray(values, np.int64).ravel()
+        if values.size == 0:
+            return
+        if values.min() < 0:
+            raise ValueError(f"staleness must be >= 0; got {int(values.min())}")
+        buckets = np.minimum(np.ceil(np.log2(values + 1.0)).astype(np.int64), self.BUCKETS - 1)  # bit length
+        self.counts += np.bincount(buckets, minlength=self.BUCKETS)
+        self.total += int(values.size)
+        self.sum += int(values.sum())
+        self.max = max(self.max, int(values.max()))
+
+    def merge(self, other: "StalenessHistogram") -> "StalenessHistogram":
+        self.counts += other.counts
+        self.total += other.total
+        self.sum += other.sum
+        self.max = max(self.max, other.max)
+        return self
+
+    @staticmethod
+    def label(bucket: int) -> str:
+        if bucket <= 1:
+            return str(bucket)
+        return f"{1 << (bucket - 1)}-{(1 << bucket) - 1}"
+
+    def as_dict(self) -> dict:
+        return {"count": self.total, "mean": self.sum / self.total if self.total else 0.0, "max": self.max,
+                "sum": self.sum, "buckets": {self.label(b): int(n) for b, n in enumerate(self.counts) if n}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StalenessHistogram":
+        histogram = cls()
+        labels = {cls.label(b): b for b in range(cls.BUCKETS)}
+        for label, count in data.get("buckets", {}).items():
+            if label not in labels:
+                raise ValueError(f"staleness histogram: unknown bucket {label!r}; buckets are 0, 1, 2-3, 4-7, ...")
+            histogram.counts[labels[label]] = int(count)
+        histogram.total, histogram.sum, histogram.max = int(data["count"]), int(data["sum"]), int(data["max"])
+        return histogram

@@ -267,6 +267,15 @@ class LookedAhead:
             return int(self.passes.nuniq.sum())
         return sum(tp.lookup.num_unique for tp in self.passes)
 
+    def rows_by_store(self) -> list[tuple[EmbeddingStore, np.ndarray]]:
+        """(store, its distinct rows this batch reads) per table: which rows its update will
+        change (a row evicted since the lookup is skipped then)."""
+        p = self.passes
+        if isinstance(p, _GroupPass):
+            lows = p.spans[GK.SPAN_LO].tolist()
+            return [(store, p.uniq_rows[lo:lo + n]) for store, lo, n in zip(p.group.stores, lows, p.nuniq.tolist())]
+        return [(tp.store, tp.lookup.uniq_rows) for tp in p]
+
 
 class EmbeddingCollection(torch.nn.Module):
     """Pooled embeddings of named sparse features, backed by `EmbeddingStore` tables.

@@ -17,7 +17,8 @@ Server side (`ClockOps`, whose operations `EmbeddingServer` serves):
                its arrays packed ("g.<name>", flattened; meta `codec_meta` and `g_shapes` per
                table). Reply: "v.<codec array>" rows and fc int32 clocks of the fetches, st uint8
                (np.packbits) flags of the checks that failed; meta {codec, codec_meta, v_shapes,
-               dropped, max_gap}. Every table is checked before any is changed.
+               dropped, max_gap, gaps (the histogram of the clock gaps below)}. Every table is
+               checked before any is changed.
   worker_clock meta {rank, world, clock, generation} -> meta {min}: SSP's worker clocks, the
                number of iterations each trainer finished; the reply is the slowest one's (a rank
                not heard from counts 0). A higher `generation` (a restarted trainer group) starts
@@ -26,7 +27,8 @@ Server side (`ClockOps`, whose operations `EmbeddingServer` serves):
 
 The server also measures the largest clock gap it sees between two trainers' copies of one key:
 whenever a trainer reads a key (a fetch, or a check that passes), its copy's clock is compared
-with the clock of the last read of that key by another trainer (`max_gap` in the reply).
+with the clock of the last read of that key by another trainer (`max_gap` in the reply, and
+every such gap in the reply's histogram `gaps`; `gap_histogram()` has all of them).
 
 Trainer side: `HetBackend` routes a step's write-backs, fetches and checks of every table to the
 shards with the global `route`, sends one request per shard (several in order only past
@@ -49,21 +51,33 @@ from hybridrec.comm.transport import Message, Operation, request_all
 from hybridrec.embedding import EmbeddingStore, route
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.store import check_grad, check_keys
+from hybridrec.metrics import StalenessHistogram
 
 
 # ---------------------------------------------------------------- server side
 
 @njit(cache=True, nogil=True)
-def _observe(rows, keys, clocks, worker, last_worker, last_clock, last_key):
+def _observe(rows, keys, clocks, worker, last_worker, last_clock, last_key, buckets, totals):
     """Record reads of `keys` (rows in the store) by `worker` at `clocks`; the largest gap to the
-    last read of the same key by another worker."""
+    last read of the same key by another worker. Every such gap is counted in `buckets` (by its
+    bit length: 0, 1, 2-3, 4-7, ...) and `totals` (count, sum)."""
     gap = 0
+    top = buckets.shape[0] - 1
     for i in range(rows.shape[0]):
         r = rows[i]
         if r < 0:
             continue
         if last_key[r] == keys[i] and last_worker[r] >= 0 and last_worker[r] != worker:
-            gap = max(gap, abs(np.int64(clocks[i]) - last_clock[r]))
+            this = abs(np.int64(clocks[i]) - last_clock[r])
+            gap = max(gap, this)
+            bucket = 0
+            rest = this
+            while rest > 0 and bucket < top:
+                bucket += 1
+                rest >>= 1
+            buckets[bucket] += 1
+            totals[0] += 1
+            totals[1] += this
         last_key[r] = keys[i]
         last_worker[r] = worker
         last_clock[r] = clocks[i]
@@ -81,12 +95,19 @@ class GapTracker:
         self.last_key = np.zeros(capacity, np.uint64)
         self.lock = threading.Lock()
 
-    def observe(self, rows: np.ndarray, keys: np.ndarray, clocks: np.ndarray, worker: int) -> int:
+    def observe(self, rows: np.ndarray, keys: np.ndarray, clocks: np.ndarray, worker: int,
+                gaps: StalenessHistogram) -> int:
+        """The largest gap of these reads; every gap counted in `gaps`."""
         if worker < 0 or rows.shape[0] == 0:
             return 0
+        totals = np.zeros(2, np.int64)
         with self.lock:
-            return int(_observe(np.ascontiguousarray(rows, np.int32), keys, np.ascontiguousarray(clocks, np.int64),
-                                worker, self.last_worker, self.last_clock, self.last_key))
+            gap = int(_observe(np.ascontiguousarray(rows, np.int32), keys, np.ascontiguousarray(clocks, np.int64),
+                               worker, self.last_worker, self.last_clock, self.last_key, gaps.counts, totals))
+        gaps.total += int(totals[0])
+        gaps.sum += int(totals[1])
+        gaps.max = max(gaps.max, gap)
+        return gap
 
 
 def stale_flags(store_clocks: np.ndarray, sent_clocks: np.ndarray, staleness: int | None) -> np.ndarray:
@@ -205,11 +226,17 @@ class ClockOps:
         self._count_keys = count_keys
         self._gaps: dict[int, GapTracker] = {}
         self._gaps_lock = threading.Lock()
+        self._gap_histogram = StalenessHistogram()  # every clock gap this server saw
         self.worker_clocks = WorkerClocks(max_world)
 
     def operations(self) -> dict[str, Operation]:
         return {"het_sync": Operation(self.het_sync, arrays=None),
                 "worker_clock": Operation(self.worker_clock)}
+
+    def gap_histogram(self) -> dict:
+        """Every clock gap this server saw between two trainers' copies of a key (as_dict)."""
+        with self._gaps_lock:
+            return self._gap_histogram.as_dict()
 
     def _tracker(self, store: EmbeddingStore) -> GapTracker:
         with self._gaps_lock:
@@ -258,6 +285,7 @@ class ClockOps:
             grads.append(check_grad(codec.decode(Encoded(codec.name, grads_parts[i], codec_meta[i])),
                                     counts[i][0], store.dim, f"table {i} grads"))
         encoded_rows, f_clocks, stale, dropped, gap = [], [], [], 0, 0
+        gaps = StalenessHistogram()
         for store, pick, g in zip(stores, parts, grads):
             w, f, c = packed["w"][pick["w"]], packed["f"][pick["f"]], packed["c"][pick["c"]]
             if len(w):
@@ -267,16 +295,19 @@ class ClockOps:
             sent = packed["cc"][pick["c"]]
             flags = stale_flags(store_clocks, sent, staleness)
             tracker = self._tracker(store)
-            gap = max(gap, tracker.observe(rows, f, clocks, worker))
-            gap = max(gap, tracker.observe(c_rows[~flags], c[~flags], sent[~flags], worker))
+            gap = max(gap, tracker.observe(rows, f, clocks, worker, gaps))
+            gap = max(gap, tracker.observe(c_rows[~flags], c[~flags], sent[~flags], worker, gaps))
             encoded_rows.append(codec.encode(values))
             f_clocks.append(clocks)
             stale.append(flags)
         reply, shapes = pack_encoded(encoded_rows, "v")
         reply["fc"] = np.concatenate(f_clocks).astype(np.int32) if f_clocks else np.empty(0, np.int32)
         reply["st"] = np.packbits(np.concatenate(stale).astype(np.uint8)) if stale else np.empty(0, np.uint8)
+        with self._gaps_lock:
+            self._gap_histogram.merge(gaps)
         return Message("het_sync", reply, {"codec": codec.name, "codec_meta": [e.meta for e in encoded_rows],
-                                           "v_shapes": shapes, "dropped": int(dropped), "max_gap": int(gap)})
+                                           "v_shapes": shapes, "dropped": int(dropped), "max_gap": int(gap),
+                                           "gaps": gaps.as_dict()})
 
     def worker_clock(self, request: Message) -> Message:
         meta = request.meta
@@ -324,9 +355,10 @@ class WireCounts:
     requests: int = 0
     dropped: int = 0
     max_gap: int = 0
+    gaps: StalenessHistogram = field(default_factory=StalenessHistogram)  # the clock gaps the servers saw
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "gaps": self.gaps.as_dict()}
 
 
 _CLOCK_ARRAYS = ("wc", "c", "cc", "fc", "st")  # every other array carries vectors or their keys
@@ -458,6 +490,8 @@ class HetBackend:
         meta = answer.meta
         self.counts.dropped += int(meta.get("dropped", 0))
         self.counts.max_gap = max(self.counts.max_gap, int(meta.get("max_gap", 0)))
+        if "gaps" in meta:
+            self.counts.gaps.merge(StalenessHistogram.from_dict(meta["gaps"]))
         codec_meta = meta.get("codec_meta")
         if not isinstance(codec_meta, list) or len(codec_meta) != len(used):
             raise ValueError(f"shard {s} answered codec_meta {codec_meta!r} for {len(used)} tables")

@@ -153,7 +153,8 @@ class HetWorker:
         """Counts so far: reads (distinct keys read), hits (read from the cache without a
         fetch), misses, invalidations (entries that failed a bound and synchronised), evictions
         (and those that held updates), write-backs, fetches, checks, entries flushed; the wire
-        bytes of vectors and of clocks; the largest clock gap the servers saw."""
+        bytes of vectors and of clocks; the largest clock gap the servers saw, and the histogram
+        of every gap they saw (`clock_gaps`)."""
         caches = [cache.stats() for cache in self.caches.values()]
         wire = self.backend.counts
         return {**self.counts, "evictions": sum(c["evictions"] for c in caches),
@@ -163,4 +164,5 @@ class HetWorker:
                 "clock_bytes": wire.clock_bytes_sent + wire.clock_bytes_received,
                 "bytes_sent": wire.vector_bytes_sent + wire.clock_bytes_sent,
                 "bytes_received": wire.vector_bytes_received + wire.clock_bytes_received,
-                "dropped_updates": wire.dropped, "max_clock_gap": wire.max_gap, "requests": wire.requests}
+                "dropped_updates": wire.dropped, "max_clock_gap": wire.max_gap, "requests": wire.requests,
+                "clock_gaps": wire.gaps.as_dict()}

@@ -14,7 +14,8 @@ cache held unflushed; the restarted group resumes from the last checkpoint, whic
 `facts` adds the job's cache figures to final_metrics.json: hit rate (distinct keys read from
 the cache without a fetch, over all reads), misses, invalidations (entries that failed a bound
 and synchronised), evictions, write-backs, payload bytes of vectors and of clocks, embedding
-bytes per sample, and the largest clock gap the servers saw between two trainers' copies.
+bytes per sample, and the largest clock gap the servers saw between two trainers' copies, with the
+histogram of every gap (`clock_gaps`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from hybridrec.het.clocks import HetBackend
 from hybridrec.strategy.consistency import Consistency
 from hybridrec.persia.pipeline import ReadyBatch
 from hybridrec.het.worker import HetWorker, TableSpec
+from hybridrec.metrics import StalenessHistogram
 from hybridrec.embedding.inputs import Pulled
 
 SUMMED = ("reads", "hits", "misses", "invalidations", "evictions", "dirty_evictions", "write_backs", "fetches",
@@ -66,7 +68,16 @@ def combine(every: list[dict]) -> dict:
             "embedding_vector_bytes": total["vector_bytes"], "embedding_clock_bytes": total["clock_bytes"],
             "embedding_bytes_per_sample": wire / samples if samples else None,
             "het_requests": total["requests"],
-            "max_clock_gap": max((one.get("max_clock_gap", 0) for one in every), default=0)}
+            "max_clock_gap": max((one.get("max_clock_gap", 0) for one in every), default=0),
+            "clock_gaps": _merged([one["clock_gaps"] for one in every if "clock_gaps" in one])}
+
+
+def _merged(histograms: list[dict]) -> dict:
+    """One histogram of every trainer's (the gaps each trainer's exchanges were answered with)."""
+    total = StalenessHistogram()
+    for histogram in histograms:
+        total.merge(StalenessHistogram.from_dict(histogram))
+    return total.as_dict()
 
 
 class HetStream:

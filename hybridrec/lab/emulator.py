@@ -1,0 +1,266 @@
+"""`emulate`: W workers of one job in this process, on the real engine, under one discipline, with
+the reads and updates interleaved as a seeded schedule says; deterministic, so a seed replays.
+
+What is the job's and what is the emulator's: the data readers (each worker reads rank w of W
+of the training rows, as a trainer does), the stores, kernels and optimizers of the local
+placement, the dense model and its optimizer, the loop's forward and backward
+(hybridrec.train.loop.forward_backward) and evaluation are the engine's, built from the config
+as `hybridrec train` builds them (seeded the same way, so one worker under sync trains exactly
+the local strategy's model). The emulator decides only what the distributed system leaves to
+chance: in which order the workers step, and which of the updates computed so far each read
+sees (hybridrec.lab.schedule), within the discipline's bound (hybridrec.lab.disciplines).
+
+The three shapes of run:
+* lockstep (sync, hybrid, het): round t, every worker reads (its required updates applied
+  first), forward and backward of every worker, one averaged dense step, then the embedding
+  updates wait (`SharedEmbeddings`) or accumulate in the caches (`HetCaches`);
+* free-running (async, ssp): one worker step at a time (rounds in a random order for async,
+  speeds for SSP), each computing on the dense version its bound lets it read and pushing its
+  gradient to the central copy;
+* groups (ht, easgd): rounds; within a group its members' reads and writes of the group's copy
+  interleave (Hogwild), the copy syncs with the centre every `period` writes.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hybridrec.config import JobConfig, StrategyConfig
+from hybridrec.errors import UserError
+from hybridrec.job.sources import build_sources
+from hybridrec.job.tables import job_tables
+from hybridrec.lab.dense import AveragedDense, CentralDense, GroupCopies, gradients
+from hybridrec.lab.disciplines import Discipline
+from hybridrec.lab.embeddings import SharedEmbeddings
+from hybridrec.lab.het_caches import HetCaches
+from hybridrec.lab.schedule import Schedule
+from hybridrec.persia.pipeline import ReadyBatch
+from hybridrec.strategy.placement.local import LocalPlacement
+from hybridrec.strategy.world import World
+from hybridrec.train.loop import dense_model, evaluate, forward_backward, seed_everything
+from hybridrec.train.threads import thread_split
+
+
+def local_view(cfg: JobConfig) -> JobConfig:
+    """The job with the local strategy: the config `emulate` builds the engine from (the
+    strategy section's own bounds are the disciplines' defaults, read by the caller)."""
+    if cfg.data.stream is not None:
+        raise UserError("data.stream: the staleness lab emulates runs over files or synthetic rows; "
+                        "a stream cannot be dealt to emulated workers")
+    return cfg.model_copy(update={"strategy": StrategyConfig()})
+
+
+@dataclass
+class _Module:
+    """What the loop's forward_backward calls forward on (a dense sync's `module`)."""
+
+    module: torch.nn.Module
+
+
+class _Job:
+    """The engine of one emulated run, built as the training loop builds a local run's."""
+
+    def __init__(self, cfg: JobConfig, workers: int):
+        self.cfg = view = local_view(cfg)
+        seed_everything(view.seed, thread_split(view.train, "local").dense, view.train.deterministic)
+        self.tables = job_tables(view)
+        self.placement = LocalPlacement(view, self.tables, World())
+        self.sources = [build_sources(view.data, view.seed, w, workers, with_best_auc=w == 0) for w in range(workers)]
+        self.model = dense_model(view, self.tables)
+        self.model.train()
+        self.device = next(self.model.parameters(), torch.empty(0)).device
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+        self.workers = workers
+
+    def rounds(self):
+        """Per epoch, the workers' next batches while every worker has one (lockstep training:
+        one worker out of data ends the epoch, as `world.all_have` ends it in the loop)."""
+        for _ in range(self.cfg.train.epochs):
+            readers = [iter(source.train) for source in self.sources]
+            while True:
+                batches = [next(reader, None) for reader in readers]
+                if any(batch is None for batch in batches):
+                    break
+                yield batches
+
+    def stream(self, worker: int):
+        """One worker's batches over every epoch (free-running: no worker waits for another)."""
+        for _ in range(self.cfg.train.epochs):
+            yield from self.sources[worker].train
+
+    def step(self, side, model: torch.nn.Module, step: int, batch, looked):
+        """The loop's forward and backward of one worker's batch on `model`; the inputs."""
+        inputs, _, _ = forward_backward(side, _Module(model), ReadyBatch(step, batch, looked, 0), self.loss_fn,
+                                        self.device)
+        return inputs
+
+    def evaluate(self, model: torch.nn.Module, batches: int | None = None) -> dict:
+        test = self.sources[0].test
+        source = test if batches is None else itertools.islice(test, batches)
+        return evaluate(model, self.placement, source, self.sources[0].label_names, World())
+
+
+class _Progress:
+    """Samples trained, and the evaluations of the curve every `every` samples."""
+
+    def __init__(self, job: _Job, every: int | None, batches: int | None, current: Callable):
+        self.job, self.every, self.batches, self.current = job, every, batches, current
+        self.samples = 0
+        self.steps = 0
+        self.curve: list[dict] = []
+        self._next = every
+
+    def trained(self, samples: int) -> None:
+        self.samples += samples
+        self.steps += 1
+        if self._next is not None and self.samples >= self._next:
+            metrics = self.job.evaluate(self.current(), self.batches)
+            self.curve.append({"samples": self.samples, "auc": metrics["auc"], "logloss": metrics["logloss"]})
+            while self._next <= self.samples:
+                self._next += self.every
+
+
+def _required(step: int, bound: int, workers: int) -> np.ndarray:
+    """Per worker, the updates a read at `step` must see: every one of steps before step - bound."""
+    return np.full(workers, max(0, step - bound), np.int64)
+
+
+def _lockstep(job: _Job, side, dense: AveragedDense, schedule: Schedule, bound: int, progress: _Progress) -> None:
+    workers = job.workers
+    for step, batches in enumerate(job.rounds()):
+        order = schedule.order(range(workers), step)
+        looked = {}
+        for w in order:
+            side.prepare_read(w, step, _required(step, bound, workers), schedule)
+            looked[w] = side.read(w, step, batches[w])
+        dense.begin_round()
+        inputs = {w: job.step(side, dense.model, step, batches[w], looked[w]) for w in order}
+        dense.finish_round(workers)
+        for w in order:
+            side.after_backward(w, step, looked[w], inputs[w])
+        progress.trained(sum(batch.batch_size for batch in batches))
+
+
+def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule: Schedule, bound: int,
+                  dense_bound: int, speeds: bool, progress: _Progress) -> None:
+    """async (`speeds` False: rounds, each worker once in a random order) and SSP (`speeds`: one
+    step at a time of a worker chosen by speed among those within the bound)."""
+    workers = job.workers
+    streams = [job.stream(w) for w in range(workers)]
+    iteration = np.zeros(workers, np.int64)
+    active = list(range(workers))
+    round_index = 0
+    while active:
+        if speeds:
+            slowest = min(iteration[w] for w in active)
+            steps = [schedule.next_worker([w for w in active if iteration[w] - slowest <= bound], workers)]
+        else:
+            steps = schedule.order(active, round_index)
+            round_index += 1
+        for w in steps:
+            batch = next(streams[w], None)
+            if batch is None:
+                active.remove(w)
+                continue
+            c = int(iteration[w])
+            side.prepare_read(w, c, _required(c, bound, workers), schedule)
+            looked = side.read(w, c, batch, expected=np.minimum(side.computed, c))
+            required = dense.required_version(c - dense_bound)
+            dense.begin_step(int(schedule.visible(np.array([required]), np.array([dense.version]))[0]))
+            inputs = job.step(side, dense.model, c, batch, looked)
+            oldest = min((int(iteration[a]) + (a == w) for a in active), default=c + 1)
+            dense.finish_step(c, dense.required_version(oldest - dense_bound))
+            side.after_backward(w, c, looked, inputs)
+            iteration[w] += 1
+            progress.trained(batch.batch_size)
+
+
+def _groups(job: _Job, side: SharedEmbeddings, dense: GroupCopies, schedule: Schedule, bound: int,
+            progress: _Progress) -> None:
+    workers, groups = job.workers, dense.groups
+    members = workers // groups
+    streams = [job.stream(w) for w in range(workers)]
+    active = set(range(workers))
+    step = 0
+    while active:
+        batches = {w: next(streams[w], None) for w in sorted(active)}
+        active -= {w for w, batch in batches.items() if batch is None}
+        for g in schedule.order(range(groups), step):
+            in_flight = {}
+            for kind, m in schedule.hogwild([m for m in range(members) if g * members + m in active]):
+                w = g * members + m
+                if kind == "read":
+                    side.prepare_read(w, step, _required(step, bound, workers), schedule)
+                    looked = side.read(w, step, batches[w], expected=np.minimum(side.computed, step))
+                    model, mark = dense.read(g)
+                    inputs = job.step(side, model, step, batches[w], looked)
+                    in_flight[w] = (looked, inputs, gradients(model), mark)
+                else:
+                    looked, inputs, grads, mark = in_flight.pop(w)
+                    dense.write(g, m, grads, mark)
+                    side.after_backward(w, step, looked, inputs)
+                    progress.trained(batches[w].batch_size)
+        step += 1
+
+
+def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Schedule | None = None, *,
+            curve_every: int | None = None, curve_batches: int | None = None,
+            observer: Callable | None = None) -> "Emulation":
+    """Train `cfg`'s job as `workers` workers under `discipline`, interleaved by `schedule`
+    (default: seed 0, the bound's worst case); its `Emulation` (test metrics, run facts, model).
+
+    `curve_every`: evaluate every that many samples (on the first `curve_batches` test batches,
+    all by default) for the curve of AUC against samples seen. `observer(event, **facts)` sees
+    every embedding read, enqueue and apply (under het: every read, with the caches)."""
+    discipline.check(workers)
+    schedule = schedule if schedule is not None else Schedule(0)
+    started = time.perf_counter()
+    job = _Job(cfg, workers)
+    name = discipline.name
+    if name == "het":
+        side = HetCaches(job.placement, job.tables, cfg.strategy.het, discipline.bound, workers, observer)
+    else:
+        side = SharedEmbeddings(job.placement, workers, observer)
+    if discipline.lockstep:
+        dense = AveragedDense(job.model, job.cfg)
+        progress = _Progress(job, curve_every, curve_batches, lambda: dense.model)
+        _lockstep(job, side, dense, schedule, discipline.bound, progress)
+    elif name in ("async", "ssp"):
+        dense = CentralDense(job.model, job.cfg)
+        progress = _Progress(job, curve_every, curve_batches, dense.current_model)
+        dense_bound = discipline.tau_dense if name == "async" else discipline.bound
+        _free_running(job, side, dense, schedule, discipline.bound, dense_bound, name == "ssp", progress)
+    else:
+        dense = GroupCopies(job.model, job.cfg, discipline.copies(workers), workers // discipline.copies(workers),
+                            discipline.alpha, discipline.period)
+        progress = _Progress(job, curve_every, curve_batches, dense.current_model)
+        _groups(job, side, dense, schedule, discipline.bound, progress)
+    if progress.steps == 0:
+        raise UserError(f"{workers} emulated workers took no step: some worker got no training batch (rows are "
+                        f"dealt to workers in blocks); use more rows or fewer workers")
+    side.finish()
+    model = dense.final_model()
+    trained = time.perf_counter() - started
+    metrics = job.evaluate(model)
+    result = {**discipline.record(), "workers": workers, "seed": job.cfg.seed, "schedule": schedule.describe(),
+              "samples": progress.samples, "steps": progress.steps, "auc": metrics["auc"],
+              "logloss": metrics["logloss"], "best_auc": job.sources[0].best_auc, "curve": progress.curve,
+              "seconds": trained, "samples_per_s": progress.samples / trained if trained else None,
+              **side.facts(), **dense.facts()}
+    return Emulation(result, model, job.placement, dense)
+
+
+@dataclass
+class Emulation:
+    """One emulated run: `result` (JSON: metrics and run facts), the trained dense `model` and the
+    `placement` holding the trained tables, and the run's dense side (`dense`)."""
+
+    result: dict
+    model: torch.nn.Module
+    placement: LocalPlacement
+    dense: object

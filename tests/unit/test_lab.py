@@ -1,0 +1,168 @@
+"""The staleness lab (hybridrec.lab): one emulated worker trains the local strategy's model bit for
+bit under every discipline; a seed replays a run bit for bit and another schedule changes it; and
+over random schedules every read sees exactly the updates the stores applied before it, all
+those its bound requires and none that were not computed yet (HET: every row served within both
+of CheckValid's clock bounds)."""
+import numpy as np
+import pytest
+import torch
+from helpers import small_config, trained_state
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridrec.embedding.kernels import M_CLOCK
+from hybridrec.errors import UserError
+from hybridrec.lab import Schedule, emulate, parse
+from hybridrec.train.loop import train
+
+ROWS = {"data.synthetic.train_rows": 8192, "data.synthetic.test_rows": 2048, "data.batch_size": 256,
+        "train.threads": 1}
+# each discipline at the bounds that allow no staleness, and (ht, easgd) with averaging that
+# leaves one copy alone until its last sync
+UNSTALE = ["sync", "hybrid:tau=0", "async:tau=0,tau_dense=0", "ssp:s=0", "het:s=0",
+           "ht:groups=1,tau=0,alpha=1,period=1000000", "easgd:tau=0,alpha=1,period=1000000"]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    cfg = small_config(tmp_path_factory.mktemp("lab"), "local", **ROWS)
+    metrics = train(cfg, overwrite=True)
+    return cfg, metrics, trained_state(cfg)
+
+
+def _rows(placement):
+    return {(c, t): store.export() for c, col in placement.collections.items() for t, store in col.stores.items()}
+
+
+@pytest.mark.parametrize("spec", UNSTALE)
+def test_one_worker_trains_the_local_model_bit_for_bit(local_run, spec):
+    cfg, metrics, (dense, rows) = local_run
+    run = emulate(cfg, parse(spec), 1, Schedule(3, visibility=0.5))
+    state = run.model.state_dict()
+    if spec.startswith(("ht", "easgd")):  # the result is the centre: compare the group's trained copy
+        state = {name: torch.from_numpy(value) for name, value in run.dense.trained_copies[0].items()}
+        assert run.result["elastic_syncs"] == 1  # the last one only
+    else:
+        assert (run.result["auc"], run.result["logloss"]) == (metrics["auc"], metrics["logloss"])
+    assert state.keys() == dense.keys()
+    assert all(torch.equal(state[name], dense[name]) for name in dense)
+    emulated = _rows(run.placement)
+    assert emulated.keys() == rows.keys()
+    for table, exported in rows.items():
+        for field in ("keys", "weights", "state"):
+            assert np.array_equal(emulated[table][field], exported[field]), (table, field)
+
+
+# rows come in blocks of 4096, dealt to the workers: 4 workers need 4 blocks
+FOUR = {**ROWS, "data.synthetic.train_rows": 16384, "data.synthetic.test_rows": 1024, "data.batch_size": 512}
+STALE = ["hybrid:tau=2", "async:tau=1,tau_dense=1", "ssp:s=2", "het:s=2", "ht:groups=2,tau=1,period=2"]
+
+
+@pytest.mark.parametrize("spec", STALE)
+def test_a_seed_replays_bit_for_bit_and_another_schedule_changes_the_run(tmp_path, spec):
+    cfg = small_config(tmp_path, **FOUR)
+    runs = [emulate(cfg, parse(spec), 4, Schedule(seed, visibility=0.5)) for seed in (7, 7, 8)]
+    states = [run.model.state_dict() for run in runs]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert runs[0].result["auc"] == runs[1].result["auc"]
+    assert not all(torch.equal(states[0][k], states[2][k]) for k in states[0])
+
+
+class _BoundChecker:
+    """Watches every embedding event of a run: each read's rows must hold exactly the updates
+    applied before it (the stores' own row clocks against the applies seen), and the applies must
+    satisfy the bound."""
+
+    def __init__(self, workers: int, bound: int, lockstep: bool):
+        self.workers, self.bound, self.lockstep = workers, bound, lockstep
+        self.rows_of = {}  # (worker, step) -> [(store, rows)] of its update
+        self.applied_rows = {}  # (id(store), row) -> updates applied
+        self.computed = np.zeros(workers, np.int64)
+        self.applied = np.zeros(workers, np.int64)
+        self.reads = 0
+
+    def __call__(self, event, worker, step, looked=None, applied=None):
+        if event == "enqueue":
+            assert step == self.computed[worker]  # each worker's steps in order
+            self.rows_of[worker, step] = [(store, rows.copy()) for ahead in looked.values()
+                                          for store, rows in ahead.rows_by_store()]
+            self.computed[worker] += 1
+        elif event == "apply":
+            assert step == self.applied[worker] < self.computed[worker]  # in order, and computed first
+            for store, rows in self.rows_of.pop((worker, step)):
+                for row in rows.tolist():
+                    self.applied_rows[id(store), row] = self.applied_rows.get((id(store), row), 0) + 1
+            self.applied[worker] += 1
+        else:
+            self.reads += 1
+            assert np.array_equal(applied, self.applied)
+            # required: every update of a step before step - bound, as far as computed
+            assert np.all(self.applied >= np.minimum(step - self.bound, self.computed))
+            if self.lockstep:  # every earlier round was computed, none of this one
+                assert np.all(self.computed == step)
+            for ahead in looked.values():
+                for store, rows in ahead.rows_by_store():
+                    clocks = store.meta[rows, M_CLOCK]
+                    expected = [self.applied_rows.get((id(store), row), 0) for row in rows.tolist()]
+                    assert clocks.tolist() == expected
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["sync", "hybrid", "async", "ssp", "ht"]), workers=st.integers(1, 4),
+       bound=st.integers(0, 3), visibility=st.sampled_from([0.0, 0.3, 0.8, 1.0]), seed=st.integers(0, 2**20))
+def test_every_read_sees_what_its_bound_requires_and_what_was_applied_before_it(tmp_path, name, workers, bound,
+                                                                                visibility, seed):
+    cfg = small_config(tmp_path, **FOUR)
+    spec = name if name == "sync" else f"{name}:{'s' if name == 'ssp' else 'tau'}={bound}"
+    if name == "ht":
+        spec += f",groups={1 if workers % 2 else 2},period=2"
+    discipline = parse(spec)
+    checker = _BoundChecker(workers, discipline.bound, discipline.lockstep)
+    emulate(cfg, discipline, workers, Schedule(seed, visibility=visibility), observer=checker)
+    assert checker.reads > 0 and not checker.rows_of  # every update applied by the end
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workers=st.integers(2, 4), s=st.integers(0, 3), seed=st.integers(0, 2**20))
+def test_het_serves_every_row_within_both_clock_bounds_of_the_server(tmp_path, workers, s, seed):
+    """CheckValid at every read: c_c <= c_s + s in the cache and c_g <= c_c + s at the server."""
+    cfg = small_config(tmp_path, **{**FOUR, "data.batch_size": 128, "strategy.het.cache_rows": 150})
+    served = []
+
+    def check(event, worker, step, keys, read, cache, stores):
+        for table, table_keys in keys.items():
+            rows = read.rows_of[table]
+            server, _ = stores[table].clocks(table_keys)
+            assert np.all(cache[table].cc[rows] <= cache[table].cs[rows] + s)
+            assert np.all(server <= cache[table].cc[rows] + s)
+            served.append(len(rows))
+
+    result = emulate(cfg, parse(f"het:s={s}"), workers, Schedule(seed), observer=check).result
+    assert sum(served) == result["cache_reads"] > 0
+    assert result["clock_gaps"]["count"] > 0
+
+
+def test_the_schedule_orders_each_members_read_before_its_write_and_keeps_within_bounds():
+    schedule = Schedule(5, visibility=0.5)
+    for _ in range(50):
+        events = schedule.hogwild([0, 1, 2])
+        assert sorted(events) == sorted([("read", m) for m in range(3)] + [("write", m) for m in range(3)])
+        assert all(events.index(("read", m)) < events.index(("write", m)) for m in range(3))
+        seen = schedule.visible(np.array([2, 0, 5]), np.array([6, 3, 5]))
+        assert np.all(seen >= [2, 0, 5]) and np.all(seen <= [6, 3, 5])
+    assert np.array_equal(Schedule(5).visible(np.array([1, 2]), np.array([4, 4])), [1, 2])  # worst case
+    assert np.array_equal(Schedule(5, visibility=1.0).visible(np.array([1, 2]), np.array([4, 4])), [4, 4])
+
+
+@pytest.mark.parametrize("spec, message", [("hybird:tau=1", "unknown name 'hybird'"),
+                                           ("hybrid:s=1", "hybrid takes tau=..."),
+                                           ("ht:groups=x", "groups='x' is not a number"),
+                                           ("sync:tau=2", "sync takes no parameters")])
+def test_a_wrong_discipline_is_refused_naming_what_is_allowed(spec, message):
+    with pytest.raises(UserError, match=message):
+        parse(spec)
+
+
+def test_groups_that_do_not_divide_the_workers_are_refused(tmp_path):
+    with pytest.raises(UserError, match="groups 3 do not divide 4 workers"):
+        emulate(small_config(tmp_path, **ROWS), parse("ht:groups=3"), 4)
