@@ -288,12 +288,39 @@ class TrainConfig(_Section):
                                               "batch's embedding lookup on its own thread beside the dense step, "
                                               "exact; off by default, since on 2 cores it measured slower than the "
                                               "plain step, whose kernels use every thread (docs/benchmarks.md)")
+    publish_dir: Optional[str] = Field(None, description="publish model versions for serving here while training "
+                                       "(v-NNNNNNNNN directories: a full version, then deltas; hybridrec serve "
+                                       "follows them)")
+    publish_every: Union[int, str] = Field(100, description="steps between published versions, or seconds as "
+                                           "'<N>s' (e.g. '30s')")
+    publish_full_every: int = Field(10, ge=1, description="every k-th published version is a full snapshot; the "
+                                    "others are deltas on the version before")
+    publish_precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="the published tables' "
+                                                               "weights (hybridrec export --precision)")
+    publish_keep_full: int = Field(2, ge=1, description="full snapshots kept in publish_dir with the deltas on "
+                                   "them; older versions are deleted")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="the dense part's arithmetic: bf16 = torch "
                                                "autocast (CPU: bfloat16 matmuls), parameters stay fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="dense part's device; auto = cuda when available")
     deterministic: bool = True
     progress: bool = True
     tensorboard: bool = False
+
+    @field_validator("publish_every")
+    @classmethod
+    def _publish_every(cls, v):
+        if isinstance(v, str):
+            text = v.strip()
+            try:
+                seconds = float(text[:-1]) if text.endswith("s") else None
+            except ValueError:
+                seconds = None
+            if seconds is None or not seconds > 0:
+                raise ValueError(f"train.publish_every is {v!r}; allowed: steps (an integer >= 1) or seconds as "
+                                 f"'<N>s', e.g. '30s'")
+        elif v < 1:
+            raise ValueError(f"train.publish_every is {v}; allowed: steps (an integer >= 1) or seconds as '<N>s'")
+        return v
 
     @field_validator("threads")
     @classmethod

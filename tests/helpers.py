@@ -2,6 +2,7 @@
 jobs and their processes, and raw requests to a server. Tests import it as `helpers` (tests/ is
 on sys.path, see conftest.py)."""
 import copy
+import itertools
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 import zmq
 
@@ -204,3 +206,117 @@ def redis_server():
     pytest.importorskip("redis", reason="the Redis client is not installed: pip install 'hybridrec[stream]'")
     with LocalRedis() as server:
         yield server
+
+
+class PredictionServer:
+    """`hybridrec serve` in a subprocess on a free loopback port, stopped by `stop()` (or its own
+    --timeout); `post`/`get` send one request and return (status, parsed JSON or text)."""
+
+    def __init__(self, bundle, *extra: str, seconds: int = 240, env: dict | None = None):
+        command = [sys.executable, "-m", "hybridrec.cli", "serve", str(bundle), "--port", "0", "--timeout",
+                   str(seconds), *extra]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env, start_new_session=True)
+        first = self.process.stdout.readline()
+        if "http://" not in first:
+            self.stop()
+            pytest.fail(f"hybridrec serve did not start: {first}{self.process.stdout.read()[-3000:]}")
+        self.url = first.split(" on ", 1)[1].split()[0]
+        self.headers: dict = {}
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 30):
+        import urllib.error
+        import urllib.request
+
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                status, text = answer.status, answer.read().decode()
+        except urllib.error.HTTPError as error:
+            status, text = error.code, error.read().decode()
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def post(self, path: str, body=None, raw: bytes | None = None):
+        return self.request("POST", path, body, raw)
+
+    def get(self, path: str):
+        return self.request("GET", path)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.process.stdout.close()
+
+
+def write_test_rows(cfg, path: Path) -> Path:
+    """The test rows of a synthetic job `cfg` written as the TSV `hybridrec data synth` writes."""
+    from hybridrec.data.synthetic import SyntheticConfig, write_synthetic
+
+    syn = cfg.data.synthetic
+    fields = {k: v for k, v in syn.model_dump().items() if k not in ("train_rows", "test_rows")}
+    write_synthetic(path, syn.test_rows, seed=cfg.seed, config=SyntheticConfig(**fields), first_row=syn.train_rows)
+    return path
+
+
+def predictions(path: Path):
+    """(header, float scores [rows, tasks]) of a predictions CSV (empty fields as NaN)."""
+    import numpy as np
+
+    lines = Path(path).read_text().splitlines()
+    rows = [[float(x) if x else float("nan") for x in line.split(",")] for line in lines[1:]]
+    return lines[0].split(","), np.array(rows, dtype=np.float64).reshape(len(rows), -1)
+
+
+class PublishingJob:
+    """A local job's tables trained by hand (lookups with insertion, then a gradient through the
+    pooled rows) and published with `DeltaPublisher`, without the training loop: what delta
+    publishing and the version swaps are tested with."""
+
+    def __init__(self, root: Path, **train):
+        from hybridrec.data.synthetic import SyntheticConfig, SyntheticReader
+        from hybridrec.job.tables import job_dense_model, job_tables
+        from hybridrec.strategy.placement.local import LocalPlacement
+        from hybridrec.strategy.world import World
+        from hybridrec.train.publisher import DeltaPublisher
+
+        changes = {"data.synthetic.train_rows": 4096, "data.synthetic.vocab_size": 5000, "embedding.default.capacity": 3000,
+                   "train.publish_dir": str(root / "published"), "train.publish_every": 1, **train}
+        self.cfg = small_config(root, **changes)
+        self.tables = job_tables(self.cfg)
+        self.placement = LocalPlacement(self.cfg, self.tables, World())
+        self.model = job_dense_model(self.cfg, self.tables)
+        self.publisher = DeltaPublisher(self.cfg, self.tables)
+        syn = self.cfg.data.synthetic
+        fields = {k: v for k, v in syn.model_dump().items() if k not in ("train_rows", "test_rows")}
+        reader = SyntheticReader(SyntheticConfig(**fields), syn.train_rows, 256, seed=self.cfg.seed)
+        self.batches = itertools.cycle(list(reader))
+        self.step = 0
+
+    def train(self, batches: int = 1, scale: float = 1.0) -> None:
+        for _, batch in zip(range(batches), self.batches):
+            inputs = self.placement.inputs(batch, batch, requires_grad=True)
+            directions = torch.Generator().manual_seed(self.step)  # a loss whose gradient points anywhere
+            loss = sum((part * torch.randn(part.shape, generator=directions)).sum() for part in (inputs.deep, inputs.wide))
+            (scale * loss).backward()
+            self.step += 1
+
+    def publish(self) -> int:
+        return self.publisher.publish(self.step, {"model": self.model.state_dict()}, self.placement)
+
+
+def publish_forever(root: str) -> None:
+    """Train and publish a version after every batch until killed (tests/unit/test_publishing.py)."""
+    job = PublishingJob(Path(root))
+    print("started", flush=True)
+    while True:
+        job.train()
+        job.publish()

@@ -8,14 +8,12 @@ trainers): keys and weights only, no optimizer state or eviction metadata.
 """
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import numpy as np
 
-from hybridrec.bundle.features import FeatureSpec
 from hybridrec.bundle.format import TablePart, write_version
-from hybridrec.bundle.model import model_spec
+from hybridrec.bundle.job import job_fields, now
 from hybridrec.bundle.precision import quantize, stored_precision
 from hybridrec.embedding.checkpoint_format import read as read_store_checkpoint
 from hybridrec.job.tables import job_tables
@@ -48,14 +46,6 @@ def table_parts(embeddings: Path, tables, precision: str) -> list[TablePart]:
     return parts
 
 
-def job_manifest(cfg, tables, precision: str, step: int, stream_position, source: str) -> dict:
-    """The manifest fields of a version of a job's model (the format adds tables and files)."""
-    return {"step": int(step), "stream_position": stream_position, "precision": precision,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "source": source, "strategy": cfg.strategy.record(), "model": model_spec(cfg, tables),
-            "features": FeatureSpec.of_job(cfg).to_dict(), "missing_ids": "zeros"}
-
-
 def export(source, out, precision: str = "fp32", config=None, config_name: str = "the config") -> Path:
     """Write the checkpoint `source` names (a step-N directory, or a run's output dir: its latest)
     as a bundle version at `out`; returns `out`."""
@@ -64,6 +54,6 @@ def export(source, out, precision: str = "fp32", config=None, config_name: str =
     progress = read_progress(path)
     tables = job_tables(cfg)
     parts = table_parts(path / "embeddings", tables, precision)
-    manifest = {"version": 1, "kind": "full", "base": None,
-                **job_manifest(cfg, tables, precision, progress["step"], progress.get("stream_by_rank"), str(path))}
+    manifest = {**job_fields(cfg, tables, precision, str(path)), "version": 1, "kind": "full", "base": None,
+                "step": int(progress["step"]), "stream_position": progress.get("stream_by_rank"), "created": now()}
     return write_version(Path(out), manifest, model_state(path), parts)

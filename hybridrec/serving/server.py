@@ -39,6 +39,7 @@ def bound_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until the server accepts them
     except OSError as exc:
         sock.close()
         raise UserError(f"hybridrec serve: cannot listen on {host}:{port} ({exc.strerror})") from None

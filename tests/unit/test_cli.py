@@ -17,7 +17,11 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], "{train,eval,data,models,plan,bench,serve-ps,embedding-worker,launch}"),
+    ([], "{train,eval,export,predict,serve,data,models,plan,bench,serve-ps,embedding-worker,launch}"),
+    (["export"], "--precision"),
+    (["predict"], "--data"),
+    (["serve"], "--batch-wait-ms"),
+    (["eval"], "--predictions"),
     (["plan"], "--group-ps"),
     (["train"], "--resume"),
     (["eval"], "--checkpoint"),

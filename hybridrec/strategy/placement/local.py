@@ -102,6 +102,11 @@ class LocalPlacement(PlacementDefaults):
                 loaded = load_resharded(found, 0, 1, num_threads=store.config.num_threads)
             collection.replace_store(table, loaded)
 
+    def stores(self) -> dict:
+        """{table: (side, EmbeddingStore)} of every table, held in this process (what a publisher
+        reads its rows from)."""
+        return {table: (side, store) for side, _, table, store in self._tables()}
+
     def expire(self, step: int, now: float) -> int:
         return sum(store.expire(step, now) for collection in self.collections.values()
                    for store in collection.stores.values() if store.config.expire_after is not None)
