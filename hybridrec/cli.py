@@ -22,6 +22,8 @@ BENCHMARKS = {
                 "and Persia; samples/s against fields"),
     "het": ("hybridrec.benchmarks.het", "HET's cache: BSP / ASP / SSP / no cache / HET s=0..inf jobs, miss rates of LRU / LFU / light LFU"),
     "des": ("hybridrec.benchmarks.des", "DES vs the Persia preset: AUC, samples/s, bytes per step by batch size"),
+    "stream": ("hybridrec.benchmarks.stream", "online training on streams: file vs Redis samples/s and progressive AUC; "
+               "duplicates and missing records across SIGKILL + --resume, arriving files, a 2-trainer Persia job"),
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
 }
 # `hybridrec bench` commands that measure nothing

@@ -41,6 +41,16 @@ class World:
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         return bool(have.item())
 
+    def all_have_any_rows(self, flag: bool, rows: bool) -> tuple[bool, bool]:
+        """(every trainer has `flag`, some trainer has `rows`) in one collective: whether all have
+        a batch, and whether any of those batches holds rows (lockstep trainers on a stream step
+        with empty batches while their share is dry, and not at all while every share is)."""
+        if not self.grouped:
+            return flag, rows
+        both = torch.tensor([1 if flag else 0, 0 if rows else 1], dtype=torch.int32)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        return bool(both[0].item()), not bool(both[1].item())
+
     def gather(self, value) -> list:
         """`value` of every trainer, in rank order, on every trainer."""
         if not self.grouped:

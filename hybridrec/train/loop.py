@@ -104,6 +104,14 @@ def dense_precision(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def batch_loss(loss_fn, logits: torch.Tensor, labels: np.ndarray, device) -> torch.Tensor:
+    """The loss of a batch; an empty one (a lockstep trainer whose stream had nothing, an empty
+    micro-batch) has loss 0 with zero gradients, not the NaN a mean over no rows would be."""
+    if not len(labels):
+        return logits.sum() * 0.0
+    return loss_fn(logits, torch.from_numpy(labels).to(device))
+
+
 def forward_backward(placement, dense, ready, loss_fn, device, precision: str = "fp32"):
     """(inputs, logits, loss) of a step's forward and backward passes. The placement's
     `micro_batches(looked, batch)` (PICASSO's D-interleaving) may cut the batch into parts: one
@@ -116,7 +124,7 @@ def forward_backward(placement, dense, ready, loss_fn, device, precision: str = 
         inputs = placement.inputs(parts[0][0], batch, requires_grad=True)
         with dense_precision(precision, device):
             logits = logits_of(dense.module, inputs, batch, device).float()
-        loss = loss_fn(logits, torch.from_numpy(batch.labels).to(device))
+        loss = batch_loss(loss_fn, logits, batch.labels, device)
         loss.backward()
         return inputs, logits, loss
     outputs, total = [], 0.0
@@ -126,11 +134,11 @@ def forward_backward(placement, dense, ready, loss_fn, device, precision: str = 
             inputs = placement.inputs(looked, part, requires_grad=True)
             with dense_precision(precision, device):
                 logits = logits_of(dense.module, inputs, part, device).float()
-            loss = loss_fn(logits, torch.from_numpy(part.labels).to(device))
-            (loss * (part.batch_size / batch.batch_size)).backward()
+            loss = batch_loss(loss_fn, logits, part.labels, device)
+            (loss * (part.batch_size / max(batch.batch_size, 1))).backward()
         outputs.append(logits.detach())
         total = total + loss.detach() * part.batch_size
-    return inputs, torch.cat(outputs), total / batch.batch_size
+    return inputs, torch.cat(outputs), total / max(batch.batch_size, 1)
 
 
 @torch.no_grad()
@@ -377,10 +385,18 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
                     while True:
                         ready = next(batches, None)
                         # with AllReduce every trainer takes the same steps: one out of data ends the epoch
-                        if not (world.all_have(ready is not None) if lockstep else ready is not None):
+                        have, rows = (world.all_have_any_rows(ready is not None, ready is not None and
+                                                              ready.batch.batch_size > 0)
+                                      if lockstep else (ready is not None, True))
+                        if not have:
                             if ready is not None:
                                 stream.skip(ready)
                             break
+                        if not rows:  # every trainer's stream is dry for now: no step, not even an empty one
+                            stream.skip(ready)
+                            if streaming is not None:
+                                streaming.trained(ready.batch, None)  # an empty span: the position stays
+                            continue
                         batch = ready.batch
                         dense.begin_step()
                         # the local placement applies its embedding updates in backward

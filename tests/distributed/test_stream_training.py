@@ -107,3 +107,60 @@ def test_redis_stream_killed_at_random_moments_trains_every_record_once(tmp_path
     import redis
 
     assert redis.Redis(port=redis_server.port).xpending("clicks", f"hybridrec:{tmp_path / 'run'}")["pending"] == 0
+
+
+def _lockstep_worker(rank: int, size: int, port: int, cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hybridrec.config import parse_config
+    from hybridrec.train import loop
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        result = loop.train(parse_config(cfg), overwrite=True)
+        Path(cfg["train"]["output_dir"], f"result-{rank}.yaml").write_text(yaml.safe_dump(
+            {"step": result["step"], "empty_steps": result["stream"]["stream_empty_steps"]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lockstep_trainers_finish_and_train_everything_when_one_share_runs_dry(tmp_path):
+    """PICASSO (sharded tables over AllToAll, AllReduce): trainer 0's share is 4 files, trainer
+    1's one; trainer 1 steps with empty batches once dry, trainer 0 trains all of its share, and
+    the job ends when trainer 1's stream has been idle for idle_timeout."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from hybridrec.data.stream.backends.files import name_key
+
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    shares, produced, index = {0: 0, 1: 0}, Counter(), 0
+    while shares[0] < 4 or shares[1] < 1:
+        name = f"part-{index:03d}.tsv"
+        rank = name_key(name) % 2
+        if shares[rank] < (4 if rank == 0 else 1):
+            write_synthetic(incoming / name, 300, seed=0, first_row=index * 300)
+            produced.update(file_sample_ids(name, np.arange(300)).tolist())
+            shares[rank] += 1
+        index += 1
+    config = yaml.safe_load(_config(tmp_path, {"backend": "files", "path": str(incoming), "complete": "rename",
+                                               "idle_timeout": 4.0}, checkpoint_every=4).read_text())
+    config["data"]["batch_size"] = 100
+    config["strategy"] = {"preset": "picasso", "roles": {"trainers": 2}}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.start_processes(_lockstep_worker, args=(2, port, config), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 2 * RUN_SECONDS  # two spawned trainers compile their kernels first
+    while not context.join(timeout=5):
+        assert time.monotonic() < deadline, "the 2-trainer job did not finish: deadlocked?"
+    results = [yaml.safe_load((tmp_path / "run" / f"result-{r}.yaml").read_text()) for r in range(2)]
+    # trainer 0's 4 x 3 batches; trainer 1 stepped empty 9 times, and no step was taken while both were dry
+    assert results[0]["step"] == results[1]["step"] == 12
+    assert results[1]["empty_steps"] >= 9
+    assert _trained_ids(tmp_path / "run") == produced

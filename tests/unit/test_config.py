@@ -127,4 +127,18 @@ def test_every_example_config_loads(path):
     cfg = load_config(path)
     assert cfg.train.output_dir.startswith("runs/")
     if cfg.data.format != "synthetic":
-        assert cfg.data.path is not None
+        assert cfg.data.path is not None or cfg.data.stream is not None
+
+
+def test_a_stream_is_the_training_data_and_its_keys_are_checked_by_name():
+    stream = {"backend": "files", "path": "incoming"}
+    cfg = parse_config({"data": {"format": "criteo", "stream": stream}})
+    assert cfg.data.stream == stream and cfg.data.path is None
+    with pytest.raises(ConfigError, match=r"data.stream.complete: .*'marker'.*'rename'"):
+        parse_config({"data": {"format": "criteo", "stream": {**stream, "complete": "maybe"}}})
+    with pytest.raises(ConfigError, match="data.path does not go with data.stream"):
+        parse_config({"data": {"format": "criteo", "path": "x.tsv", "stream": stream}})
+    with pytest.raises(ConfigError, match="not synthetic"):
+        parse_config({"data": {"stream": stream}})
+    with pytest.raises(ConfigError, match=r"expire_after: must be \{steps: N\} or \{seconds: S\}"):
+        parse_config({"embedding": {"default": {"expire_after": {"hours": 3}}}})

@@ -152,18 +152,19 @@ class StreamSource(abc.ABC):
 
     def __iter__(self) -> Iterator[Batch]:
         """This trainer's batches, waiting for data; ends on `stop()` or after idle_timeout."""
-        idle_since = time.monotonic()
-        idle = self.common.idle_timeout
+        idle = 0.0  # seconds spent looking for data in vain since the last record (not waiting for the consumer)
         while not self._stop.is_set():
+            looked = time.monotonic()
             got = self._read(self.common.poll_interval)
             if got is None:
-                if idle is not None and time.monotonic() - idle_since >= idle:
+                idle += time.monotonic() - looked
+                if self.common.idle_timeout is not None and idle >= self.common.idle_timeout:
                     return
                 if self.context.empty_when_dry:
                     self.empty_steps += 1
                     yield self._emit(empty_batch(self.context.schema), self._span_end(), [])
                 continue
-            idle_since = time.monotonic()
+            idle = 0.0
             batch, end, bad = got
             item = self._emit(batch, end, bad)
             if item is not None:

@@ -463,8 +463,9 @@ class ShardedPlacement(PlacementDefaults):
         """D-interleaving: (looked, part) pairs of the batch's micro-batches, whose embedding
         gradients the update sums (one update per batch); the first part's lookup starts now, and
         each later one while the dense model computes the part before it."""
+        # every trainer takes as many rounds, whatever its batch holds (a part may be empty: a
+        # partial batch, or a lockstep trainer whose stream ran dry), or their AllToAlls would not pair
         parts = self.options.micro_batches if self.interleaving and looked.train else 1
-        parts = min(parts, batch.batch_size)
         if parts <= 1:
             return [(looked, batch)]
         bounds = np.linspace(0, batch.batch_size, parts + 1).round().astype(int)
