@@ -7,6 +7,8 @@ records: key, LRU links, count, clock, last use), `parts` (the partitions' bookk
 `sketch` (the admission counters). It is written to a temporary directory and renamed into
 place, so an interrupted save never damages the previous checkpoint. Reading verifies every
 checksum and refuses a corrupt, truncated or mismatched checkpoint with an error naming the file.
+Every file is written and read through directory handles (`dir_handle`): given an `Entry` of an
+open directory, nothing is reached through a symlink or a renamed path.
 
 This module knows files and arrays only: `EmbeddingStore.snapshot()` makes what `write` writes,
 and `EmbeddingStore.restore()` takes what `read` returns.
@@ -16,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from .dir_handle import DirHandle, Entry, open_directory, parent_and_name
 from .table import TableConfig
 
 FORMAT = "hybridrec-embedding-store"
@@ -55,9 +57,9 @@ def _crc(arr: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
 
 
-def write(directory, snapshot: Snapshot) -> Path:
-    """Write `snapshot` to `directory`, replacing what was there atomically; returns the path."""
-    directory = Path(directory)
+def write(directory, snapshot: Snapshot):
+    """Write `snapshot` to `directory` (a path, or an `Entry` of an open directory), replacing
+    what was there atomically; returns `directory` (a path as a Path)."""
     config = snapshot.config
     manifest = {
         "format": FORMAT,
@@ -67,46 +69,62 @@ def write(directory, snapshot: Snapshot) -> Path:
         "step": int(snapshot.step),
         "epoch": int(snapshot.epoch),
         "dropped_updates": int(snapshot.dropped_updates),
-        "expired": int(snapshot.expired),
-        "expiry_marks": [[int(e), int(s), float(t)] for e, s, t in snapshot.expiry_marks],
         "size": int(len(snapshot.rows)),
         "extra": snapshot.extra or {},
         "files": {},
     }
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, arr in snapshot.arrays().items():
-        arr = np.ascontiguousarray(arr)
-        arr.tofile(tmp / f"{name}.bin")
-        manifest["files"][name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "bytes": int(arr.nbytes),
-                                   "crc32": _crc(arr)}
-    with open(tmp / MANIFEST, "w") as fh:
-        json.dump(manifest, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
-    return directory
+    parent, name = parent_and_name(directory)
+    with parent:
+        tmp, old = f".{name}.tmp-{os.getpid()}", f".{name}.old-{os.getpid()}"
+        parent.remove(tmp)
+        with parent.sub(tmp, create=True) as out:
+            for array_name, arr in snapshot.arrays().items():
+                arr = np.ascontiguousarray(arr)
+                with out.open_file(f"{array_name}.bin", "xb") as fh:
+                    arr.tofile(fh)
+                manifest["files"][array_name] = {"dtype": arr.dtype.str, "shape": list(arr.shape),
+                                                 "bytes": int(arr.nbytes), "crc32": _crc(arr)}
+            with out.open_file(MANIFEST, "xb") as fh:
+                fh.write(json.dumps(manifest, indent=1).encode())
+                fh.flush()
+                os.fsync(fh.fileno())
+        if parent.exists(name):
+            parent.rename(name, old)
+        parent.rename(tmp, name)
+        parent.remove(old)
+    return directory if isinstance(directory, Entry) else Path(directory)
 
 
 def read_manifest(directory) -> dict:
-    """The manifest of the checkpoint in `directory`, its format and version checked."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: {path} does not exist (not a hybridrec store checkpoint)")
+    """The manifest of the checkpoint in `directory` (a path, an `Entry` or a `DirHandle`), its
+    format and version checked."""
+    with _opened(directory) as handle:
+        return _manifest(handle)
+
+
+def _opened(directory) -> DirHandle:
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"checkpoint: {path} is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        return open_directory(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint: {os.path.join(str(directory), MANIFEST)} does not exist (there is no "
+                                f"directory {str(directory)!r})") from None
+    except NotADirectoryError as error:
+        raise ValueError(f"checkpoint: {directory} is not a directory ({error})") from None
+
+
+def _manifest(handle: DirHandle) -> dict:
+    where = handle.where(MANIFEST)
+    if not handle.is_file(MANIFEST):
+        raise FileNotFoundError(f"checkpoint: {where} does not exist (not a hybridrec store checkpoint)")
+    try:
+        manifest = json.loads(handle.read_bytes(MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"checkpoint: {where} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise ValueError(f"checkpoint: {where} has format {found!r:.80}, expected {FORMAT!r}")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"checkpoint: {path} has version {manifest.get('version')!r}; this hybridrec reads {VERSION}")
+        raise ValueError(f"checkpoint: {where} has version {manifest.get('version')!r}; this hybridrec reads {VERSION}")
     return manifest
 
 
@@ -124,9 +142,8 @@ def check_compatible(manifest: dict, config: TableConfig, directory) -> None:
                              f"{getattr(config, field)!r}")
 
 
-def _described(directory: Path, manifest: dict, name: str) -> tuple[np.dtype, tuple, int]:
+def _described(where: str, manifest: dict, name: str) -> tuple[np.dtype, tuple, int]:
     """(dtype, shape, bytes) of array `name` as the manifest describes it, checked to agree."""
-    where = directory / MANIFEST
     try:
         desc = manifest["files"][name]
         dtype, shape, size = np.dtype(desc["dtype"]), tuple(int(n) for n in desc["shape"]), int(desc["bytes"])
@@ -138,38 +155,42 @@ def _described(directory: Path, manifest: dict, name: str) -> tuple[np.dtype, tu
     return dtype, shape, size
 
 
-def _read_array(directory: Path, manifest: dict, name: str) -> np.ndarray:
-    dtype, shape, expected = _described(directory, manifest, name)
+def _read_array(handle: DirHandle, manifest: dict, name: str) -> np.ndarray:
+    dtype, shape, expected = _described(handle.where(MANIFEST), manifest, name)
     desc = manifest["files"][name]
-    path = directory / f"{name}.bin"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: {path} is missing")
-    size = path.stat().st_size
-    if size != expected:
-        raise ValueError(f"checkpoint: {path} has {size} bytes, the manifest says {expected} (truncated?)")
-    arr = np.fromfile(path, dtype=dtype).reshape(shape)
+    file_name = f"{name}.bin"
+    where = handle.where(file_name)
+    if not handle.is_file(file_name):
+        raise FileNotFoundError(f"checkpoint: {where} is missing")
+    with handle.open_file(file_name) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size != expected:
+            raise ValueError(f"checkpoint: {where} has {size} bytes, the manifest says {expected} (truncated?)")
+        arr = np.fromfile(fh, dtype=dtype).reshape(shape)
     crc = _crc(arr)
     if crc != desc["crc32"]:
-        raise ValueError(f"checkpoint: {path} is corrupt: CRC32 {crc:#010x}, the manifest says {desc['crc32']:#010x}")
+        raise ValueError(f"checkpoint: {where} is corrupt: CRC32 {crc:#010x}, the manifest says {desc['crc32']:#010x}")
     return arr
 
 
 def read(directory, manifest: dict | None = None) -> Snapshot:
-    """The snapshot saved in `directory`, every array's size and checksum verified
-    (`manifest`: the one `read_manifest` returned already, to read it only once)."""
-    directory = Path(directory)
-    if manifest is None:
-        manifest = read_manifest(directory)
-    arrays = {name: _read_array(directory, manifest, name) for name in ARRAYS}
+    """The snapshot saved in `directory` (a path, an `Entry` or a `DirHandle`), every array's
+    size and checksum verified (`manifest`: the one `read_manifest` returned already, to read
+    it only once)."""
+    with _opened(directory) as handle:
+        if manifest is None:
+            manifest = _manifest(handle)
+        arrays = {name: _read_array(handle, manifest, name) for name in ARRAYS}
+        where = handle.where(MANIFEST)
+        rows_where = handle.where("rows.bin")
     try:
         config, nparts = saved_config(manifest), int(manifest["layout"]["nparts"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"checkpoint: {directory / MANIFEST} lacks or garbles the table or layout ({exc!r})") from None
+        raise ValueError(f"checkpoint: {where} lacks or garbles the table or layout ({exc!r})") from None
     if arrays["rows"].ndim != 2 or arrays["rows"].shape[1] != config.row_width:
-        raise ValueError(f"checkpoint: {directory / 'rows.bin'} holds rows of shape {list(arrays['rows'].shape)}, "
+        raise ValueError(f"checkpoint: {rows_where} holds rows of shape {list(arrays['rows'].shape)}, "
                          f"not [n, {config.row_width}] as its table config needs: the manifest was changed")
     return Snapshot(config=config, nparts=nparts,
                     step=int(manifest["step"]), epoch=int(manifest["epoch"]),
                     dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
-                    expired=int(manifest.get("expired", 0)),
-                    expiry_marks=[tuple(m) for m in manifest.get("expiry_marks", [])], **arrays)
+                    **arrays)

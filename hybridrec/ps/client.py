@@ -7,7 +7,9 @@ in the caller's key order. Gradients of equal keys are summed before they leave.
 gradients travel with the job's value codec ("none" or "fp16"). `lookup_tables` and
 `push_tables` carry every table of a batch in one request per shard (`lookup`/`push` are the
 one-table case). Lookups, stats, checkpoint, load, ping and dense init/pull are retried after
-a timeout; pushes are not (a retried push could apply twice).
+a timeout; pushes are not (a retried push could apply twice). Checkpoints and loads run in the
+background on the servers: the client polls them until done (`job_timeout`), and a retry, even
+to a server restarted meanwhile, resumes the same one.
 
 Dense parameters (`dense_init`, `dense_pull`, `dense_push`) live on shard
 crc32(name) % num_shards; see `hybridrec.ps.dense`.
@@ -17,6 +19,8 @@ Not thread-safe: use one PSClient per thread.
 
 from __future__ import annotations
 
+import secrets
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,12 +134,14 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0, retries: int = 2,
                  value_codec: str = "none", max_keys_per_request: int = 16384, key=FROM_ENVIRONMENT,
-                 **codec_options: Any):
+                 job_timeout: float = 3600.0, **codec_options: Any):
         addresses = check_addresses(addresses)
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         self.addresses = list(addresses)
-        self.max_keys_per_request = max_keys_per_request
+        if not job_timeout > 0:
+            raise ValueError(f"job_timeout must be > 0 seconds, got {job_timeout!r}")
+        self.max_keys_per_request, self.job_timeout = max_keys_per_request, float(job_timeout)
         self.codec = make_value_codec(value_codec, **codec_options)
         self._clients = [Client(a, timeout=timeout, retries=retries, key=key) for a in self.addresses]
         self._dims: dict[str, int] = {}
@@ -369,14 +375,34 @@ class PSClient:
         return sum(sum(reply.meta["expired"].values()) for reply in replies)
 
     def checkpoint(self, directory: str | Path) -> list[Path]:
-        """Every shard saves its tables under `directory` (a path the servers can write)."""
+        """Every shard saves its tables under `directory` (a path the servers can write); waits
+        until every shard is done (at most `job_timeout` seconds)."""
         paths = [shard_directory(directory, s, self.num_shards) for s in range(self.num_shards)]
-        self._broadcast("checkpoint", lambda s: {"directory": str(paths[s])})
+        self._job("checkpoint", [str(path) for path in paths])
         return paths
 
     def load(self, directory: str | Path) -> None:
         """Every shard replaces its tables with the checkpoint `checkpoint(directory)` wrote."""
-        self._broadcast("load", lambda s: {"directory": str(shard_directory(directory, s, self.num_shards))})
+        self._job("load", [str(shard_directory(directory, s, self.num_shards)) for s in range(self.num_shards)])
+
+    def _job(self, op: str, directories: list[str]) -> None:
+        """Start a checkpoint or load on every shard and poll until each is done: the same
+        request (one token for all its attempts) is sent again while a shard answers "running",
+        so a retry after a timeout, or to a shard restarted meanwhile, resumes the same work."""
+        token = secrets.token_hex(12)
+        deadline = time.monotonic() + self.job_timeout
+        waiting, delay = list(range(self.num_shards)), 0.05
+        while True:
+            requests = [(self._clients[s], op, {}, {"directory": directories[s], "token": token}) for s in waiting]
+            replies = request_all(requests, idempotent=True)
+            waiting = [s for s, reply in zip(waiting, replies) if reply.meta.get("state") == "running"]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{op} to {directories[waiting[0]]!r}: shards {waiting} still running after "
+                                   f"{self.job_timeout:.0f}s (PSClient job_timeout)")
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     def shutdown(self) -> None:
         """Ask every shard to stop (each replies first)."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import math
 import threading
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from hybridrec.embedding.dir_handle import open_directory
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 META_FILE, PARAMS_FILE, STATE_FILE = "meta.json", "params.npz", "state.npz"
@@ -158,12 +159,16 @@ class DenseStore:
             return self.version
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self, directory: str | Path) -> None:
-        """Write params and optimizer state under `directory` (nothing when the store is empty)."""
-        directory = Path(directory)
+    def save(self, directory) -> None:
+        """Write params and optimizer state under `directory` (a path, or an `Entry` of an open
+        directory: then nothing is written through a symlink); nothing when the store is empty."""
         with self._lock:
             if not self._params:  # an older checkpoint's dense params there no longer count
-                (directory / META_FILE).unlink(missing_ok=True)
+                try:
+                    with open_directory(directory) as handle:
+                        handle.remove(META_FILE)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
                 return
             names = list(self._params)
             params, state, state_keys = {}, {}, []
@@ -173,37 +178,44 @@ class DenseStore:
                 keys = sorted(k for k, v in tensors.items() if isinstance(v, torch.Tensor))
                 state.update({f"{i}.{k}": tensors[k].numpy() for k in keys})
                 state_keys.append(keys)
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / META_FILE).unlink(missing_ok=True)  # written last: marks a whole checkpoint
-            np.savez(directory / PARAMS_FILE, **params)
-            np.savez(directory / STATE_FILE, **state)
             meta = {"optimizer": self.optimizer, "version": self.version, "names": names,
                     "state_keys": state_keys}
-            (directory / META_FILE).write_text(json.dumps(meta))
+            with open_directory(directory, create=True) as handle:
+                handle.remove(META_FILE)  # written last: marks a whole checkpoint
+                for file_name, arrays in ((PARAMS_FILE, params), (STATE_FILE, state)):
+                    with handle.open_file(file_name, "wb") as file:
+                        np.savez(file, **arrays)
+                handle.write_durably(META_FILE, json.dumps(meta).encode())
 
     @classmethod
-    def load(cls, directory: str | Path, declared: Mapping[str, Sequence[int]] | None = None) -> "DenseStore":
+    def load(cls, directory, declared: Mapping[str, Sequence[int]] | None = None) -> "DenseStore":
         """The store `save(directory)` wrote; an empty store when `directory` holds none. Each
         saved parameter must be one of `declared` (name -> shape), with its shape."""
-        directory = Path(directory)
         store = cls(declared)
-        if not (directory / META_FILE).is_file():
-            return store
         try:
-            meta = json.loads((directory / META_FILE).read_text())
-            store.optimizer = check_optimizer(meta["optimizer"])
-            store.version = int(meta["version"])
-            with np.load(directory / PARAMS_FILE) as params, np.load(directory / STATE_FILE) as state:
-                names = [str(name) for name in meta["names"]]
-                store.check_declared({name: params[str(i)].shape for i, name in enumerate(names)}, "saved params")
-                for i, (name, keys) in enumerate(zip(names, meta["state_keys"], strict=True)):
-                    store._add(name, params[str(i)].astype(np.float32))
-                    if keys:
-                        optimizer = store._optimizers[name]
-                        saved = optimizer.state_dict()
-                        saved["state"] = {0: {k: torch.from_numpy(state[f"{i}.{k}"].copy()) for k in keys}}
-                        optimizer.load_state_dict(saved)
-        except (OSError, KeyError, ValueError, TypeError) as error:
-            raise ValueError(f"dense checkpoint {str(directory)!r} is unreadable: "
-                             f"{type(error).__name__}: {error}") from None
+            handle = open_directory(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return store
+        with handle:
+            if not handle.is_file(META_FILE):
+                return store
+            try:
+                meta = json.loads(handle.read_bytes(META_FILE))
+                store.optimizer = check_optimizer(meta["optimizer"])
+                store.version = int(meta["version"])
+                with handle.open_file(PARAMS_FILE) as params_file, handle.open_file(STATE_FILE) as state_file, \
+                        np.load(params_file) as params, np.load(state_file) as state:
+                    names = [str(name) for name in meta["names"]]
+                    store.check_declared({name: params[str(i)].shape for i, name in enumerate(names)},
+                                         "saved params")
+                    for i, (name, keys) in enumerate(zip(names, meta["state_keys"], strict=True)):
+                        store._add(name, params[str(i)].astype(np.float32))
+                        if keys:
+                            optimizer = store._optimizers[name]
+                            saved = optimizer.state_dict()
+                            saved["state"] = {0: {k: torch.from_numpy(state[f"{i}.{k}"].copy()) for k in keys}}
+                            optimizer.load_state_dict(saved)
+            except (OSError, KeyError, ValueError, TypeError) as error:
+                raise ValueError(f"dense checkpoint {str(directory)!r} is unreadable: "
+                                 f"{type(error).__name__}: {error}") from None
         return store

@@ -19,10 +19,14 @@ Operations (see `hybridrec.comm.transport` for the wire format):
   dense_pull  meta {names}                                     -> {name: current value}
   dense_push  {name: float32 grad}: one optimizer step each     -> meta {version}
   stats       -> meta {pid, tables: {name: store.stats()}, dense: {params, version}}
-  checkpoint  meta {directory}: each table saved to directory/<table>, dense params to
-              directory/dense (when the server holds any)
-  load        meta {directory}: each table replaced by the one saved in directory/<table>,
-              the dense params by directory/dense (none there: no dense params)
+  checkpoint  meta {directory, token, wait}: each table saved to directory/<table>, dense params
+              to directory/dense (when the server holds any), in the background
+              -> meta {state: running | done, directory, tables}; the same request again polls
+              it, or, after a failure or a restart of this server, resumes it
+              (`hybridrec.ps.checkpoints`)
+  load        meta {directory, token, wait}: each table replaced by the one saved in
+              directory/<table>, the dense params by directory/dense (none there: no dense
+              params), in the background, polled the same way
   shutdown    stop after replying
   het_sync, worker_clock: HET's write-backs, fetches and clock-only checks in one request, and
               SSP's worker clocks (`hybridrec.het.clocks`)
@@ -30,10 +34,14 @@ Operations (see `hybridrec.comm.transport` for the wire format):
 Limits: a request carries at most `max_keys_per_request` keys (all its tables together) and
 its frames at most what that many rows, or the job's whole dense model, take; `dense_init`
 takes only the job's dense parameters, with their shapes (`dense_params`, derived from
-`--config`). `checkpoint` and `load` directories lie inside the server's `checkpoint_root`:
-a relative one is taken from there, an absolute one must resolve (symlinks too) inside it, and
-a checkpoint goes only to a directory that is new or empty, so it never replaces or deletes
-files it did not write. A server without a root refuses both.
+`--config`). `checkpoint` and `load` directories lie inside the server's `checkpoint_root`,
+reached through directory handles that no symlink or rename can redirect (a relative path is
+taken from the root, an absolute one must start with it; symlinks inside it are refused), and
+a checkpoint goes only to a directory that is new, empty, or holds an unfinished attempt of the
+same request, so it never replaces or deletes files it did not write. A server without a root
+refuses both. SSP's worker clocks serve at most `max_trainers` trainers; at most
+`max_connections` clients are served at once (see `hybridrec.comm.transport.Server` for the
+bytes queued per connection).
 
 Run one with `python -m hybridrec.ps.server --port 7001 --table user:16:1000000` (or
 `--config job.yaml [--set KEY=VALUE ...]` for every table and dense parameter of a job) or call
@@ -62,10 +70,12 @@ from hybridrec.comm.auth import FROM_ENVIRONMENT, AuthError, JobKey, server_key
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import MAX_HEADER_BYTES, Message, Operation, Server, Service
 from hybridrec.embedding import EmbeddingStore, TableConfig
+from hybridrec.embedding.dir_handle import DirHandle, Entry
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.ps.client import part_arrays, split_parts
 from hybridrec.het.clocks import MAX_WORLD, ClockOps
+from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
@@ -140,8 +150,11 @@ class EmbeddingServer(Service):
         self.stores = dict(stores)
         self.dense = DenseStore(dense_params)
         self.max_keys_per_request = max_keys_per_request
-        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root).resolve()
         self._swap = threading.Lock()  # guards replacing stores on `load`
+        root = None if checkpoint_root is None else CheckpointRoot(checkpoint_root)
+        self.checkpoint_root = None if root is None else Path(root.path)
+        self.checkpoints = CheckpointJobs(root, self._checkpoint_entries, self._write_checkpoint,
+                                          self._read_checkpoint)
         operations = {
             "ping": Operation(self._ping),
             "lookup": Operation(self._lookup, {"keys": "uint64"}),
@@ -166,6 +179,8 @@ class EmbeddingServer(Service):
     def _release(self) -> None:
         for store in self.stores.values():
             store.close()
+        if self.checkpoints.root is not None:
+            self.checkpoints.root.close()
 
     # ------------------------------------------------------------------ operations
     def _store(self, meta: dict[str, Any]) -> tuple[str, EmbeddingStore]:
@@ -309,41 +324,35 @@ class EmbeddingServer(Service):
         return Message("expire", meta={"expired": {n: s.expire(step, float(now)) for n, s in stores.items()
                                                    if s.config.expire_after is not None}})
 
-    def _directory(self, meta: dict[str, Any]) -> Path:
-        """meta 'directory' resolved inside the checkpoint root (relative paths start there)."""
-        directory = meta.get("directory")
-        if not isinstance(directory, str) or not directory or "\0" in directory:
-            raise ValueError(f"meta 'directory' must be a non-empty path string, got {directory!r}")
-        root = self.checkpoint_root
-        if root is None:
-            raise ValueError("this server has no checkpoint root, so it refuses checkpoint and load requests; "
-                             "start it with --checkpoint-root DIR (hybridrec launch gives train.output_dir)")
-        resolved = (root / directory).resolve()  # an absolute `directory` replaces the root here
-        if not resolved.is_relative_to(root):
-            raise ValueError(f"meta 'directory' {directory!r} resolves to {str(resolved)!r}, outside this "
-                             f"server's checkpoint root {str(root)!r}; give a path inside it")
-        return resolved
-
     def _checkpoint(self, request: Message) -> Message:
-        directory = self._directory(request.meta)
-        with self._swap:
-            if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-                raise ValueError(f"meta 'directory' {str(directory)!r} already exists and is not an empty "
-                                 f"directory; a checkpoint goes to a new or empty one")
-            directory.mkdir(parents=True, exist_ok=True)
-            for name, store in self.stores.items():
-                store.save(directory / name)
-            self.dense.save(directory / DENSE_DIRECTORY)
-        return Message("checkpoint", meta={"directory": str(directory), "tables": sorted(self.stores)})
+        return Message("checkpoint", meta=self.checkpoints.request("checkpoint", request.meta))
 
     def _load(self, request: Message) -> Message:
-        directory = self._directory(request.meta)
-        missing = [name for name in self.stores if not (directory / name).is_dir()]
+        return Message("load", meta=self.checkpoints.request("load", request.meta))
+
+    def _checkpoint_entries(self) -> list[str]:
+        """What a checkpoint writes into its directory: each table, and the dense params."""
+        with self._swap:
+            return [*self.stores, DENSE_DIRECTORY]
+
+    def _write_checkpoint(self, directory: DirHandle) -> list[str]:
+        """Save every table (each at one instant, under its own lock) and the dense params into
+        the open `directory`; the tables' names."""
+        with self._swap:
+            stores, dense = dict(self.stores), self.dense
+        for name, store in stores.items():
+            store.save(Entry(directory, name))
+        dense.save(Entry(directory, DENSE_DIRECTORY))
+        return list(stores)
+
+    def _read_checkpoint(self, directory: DirHandle) -> list[str]:
+        """Replace every table and the dense params by the checkpoint in the open `directory`."""
+        missing = [name for name in self.stores if not directory.is_dir(name)]
         if missing:
-            raise ValueError(f"meta 'directory' {str(directory)!r} has no checkpoint of tables {missing}")
+            raise ValueError(f"meta 'directory' {directory.path!r} has no checkpoint of tables {missing}")
         # Read (and checksum) every table before replacing any, so a bad checkpoint changes nothing.
-        loaded = {name: EmbeddingStore.load(directory / name) for name in self.stores}
-        dense = DenseStore.load(directory / DENSE_DIRECTORY, self.dense.declared)
+        loaded = {name: EmbeddingStore.load(Entry(directory, name)) for name in self.stores}
+        dense = DenseStore.load(Entry(directory, DENSE_DIRECTORY), self.dense.declared)
         with self._swap:
             self.dense = dense
             for name, old in list(self.stores.items()):
@@ -351,9 +360,9 @@ class EmbeddingServer(Service):
                 if shm_name is not None:  # the restarted server must find the loaded rows
                     old.close()
                     unlink_shared(shm_name)
-                    loaded[name] = EmbeddingStore.load(directory / name, shm_name=shm_name)
+                    loaded[name] = EmbeddingStore.load(Entry(directory, name), shm_name=shm_name)
                 self.stores[name] = loaded[name]
-        return Message("load", meta={"directory": str(directory), "tables": sorted(self.stores)})
+        return sorted(self.stores)
 
     def _shutdown(self, request: Message) -> Message:
         self.transport.request_stop()

@@ -195,7 +195,7 @@ def test_checkpoint_and_load_paths_that_leave_the_root_are_refused(started, tmp_
         for directory in ["inside/../../escape", str(root / "inside/../../escape"), str(outside / "c"),
                           "link/c", "/etc", "../root2"]:
             for op in ("checkpoint", "load"):
-                with pytest.raises(RemoteError, match="outside this server's checkpoint root"):
+                with pytest.raises(RemoteError, match="outside this server's checkpoint root|follows no symlink inside"):
                     raw.request(op, meta={"directory": directory})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside", "root"]
     assert not list(outside.iterdir())
