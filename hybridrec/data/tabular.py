@@ -77,6 +77,7 @@ class TabularSchema:
     column_names: tuple[str, ...] = ()
     dense_transform: str = "none"
     binary_labels: bool = True
+    event_time: str | None = None  # a column of Unix seconds when the record happened (streams' lag)
 
     def __post_init__(self) -> None:
         for name in ("labels", "dense", "categorical", "multi_categorical", "hour_columns",
@@ -103,6 +104,11 @@ class TabularSchema:
         if not self.header and not self.column_names:
             raise ValueError("header is false, so column_names must name the file's columns "
                              "in order (got none)")
+        if self.event_time is not None and (not isinstance(self.event_time, str) or not self.event_time):
+            raise ValueError(f"event_time must name a column, got {self.event_time!r}")
+        if self.event_time is not None and self.column_names and self.event_time not in self.column_names:
+            raise ValueError(f"event_time column {self.event_time!r} is not in column_names "
+                             f"{list(self.column_names)}")
         if self.column_names:
             missing = [c for c in used if c not in self.column_names]
             if missing:

@@ -213,3 +213,27 @@ def test_producer_rate_and_synthetic_rows(redis_server):
     assert produced.count == 3000 and produced.seconds >= 0.25
     with pytest.raises(ValueError, match="--rate"):
         parse_rate("fast")
+
+
+def test_redis_field_maps_parse_by_the_schema_and_lag_follows_the_event_time(redis_server):
+    import time
+
+    import redis
+
+    from hybridrec.data.tabular import TabularSchema
+
+    schema = TabularSchema(labels=("click",), categorical=("user", "item"), dense=("price",), event_time="ts",
+                           column_names=("click", "user", "item", "price", "ts"))
+    client = redis.Redis(port=redis_server.port)
+    now = time.time()
+    for i in range(10):
+        client.xadd("events", {"click": str(i % 2), "user": f"u{i}", "item": "i7", "price": "1.5",
+                               "ts": str(now - 3600 + i)})
+    client.xadd("events", {"line": f"1,u99,i8,2.0,{now - 60}"})  # a line in the schema's column order
+    source = open_source({"backend": "redis", "url": redis_server.url("events"), "idle_timeout": 0.3,
+                          "poll_interval": 0.05}, StreamContext(schema, 4))
+    source.prepare(fresh=True)
+    source.start(None)
+    trained, state = _drain(source)
+    assert len(trained) == 11 and state["bad_records"] == 0
+    assert 55 <= source.lag()["lag_seconds"] < 120  # behind the newest record's ts, not its entry's time

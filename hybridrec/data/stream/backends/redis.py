@@ -18,8 +18,9 @@ With `whole_stream` (DES: every trainer reads every entry) each trainer has a gr
 `<group>:trainer-<rank>`, and batches hold exactly `data.batch_size` entries, so every trainer
 cuts the stream into the same batches; entries past the last full batch wait for more.
 
-Sample ids are the entry IDs, `(ms << 22) | seq`, so the position's `lag_seconds` (now minus
-the time the newest trained entry entered the stream) needs no extra field.
+Sample ids are the entry IDs, `(ms << 22) | seq`. `lag_seconds` is now minus the event time of
+the newest trained record where the schema names an `event_time` column (kept in the position as
+`event_time`), else minus the time its entry entered the stream (the entry ID's milliseconds).
 """
 from __future__ import annotations
 
@@ -137,6 +138,10 @@ class RedisSource(StreamSource):
         self._line_layout = schema.column_layout(self._line_columns, options.url) if self._line_columns else None
         self._field_layout = schema.column_layout(self._field_columns, options.url)
         self._line_field = options.line_field.encode()
+        event = schema.event_time  # where a record says when it happened: lag_seconds behind it
+        self._event_field = None if event is None else event.encode()
+        self._event_column = (self._line_columns.index(event) if event is not None and event in self._line_columns
+                              else None)
         self._cursor: bytes | None = None  # reading this consumer's pending entries after this ID; None: new ones
         self._covered: tuple[int, int] | None = None  # the checkpoint's last entry ID
         self._delivered: deque = deque()  # (last key, [ids]) of the spans read, oldest first, until acknowledged
@@ -263,7 +268,29 @@ class RedisSource(StreamSource):
                 batch = batch.take_rows(np.argsort(batch.sample_ids, kind="stable"))
         position = {"stream": self.stream, "group": self.group, "consumer": self.consumer,
                     "last_id": last.decode()}
+        event_time = self._event_time(entries)
+        if event_time is not None:
+            position["event_time"] = event_time
         return batch, position, bad
+
+    def _event_time(self, entries: list) -> float | None:
+        """The schema's event_time (Unix seconds) of the newest entry that has a readable one."""
+        if self._event_field is None:
+            return None
+        for _, fields in reversed(entries):
+            if fields is None:
+                continue
+            try:
+                if len(fields) == 2 and fields[0] == self._line_field:
+                    if self._event_column is None:
+                        return None
+                    return float(fields[1].split(self.context.schema.delimiter.encode())[self._event_column])
+                values = dict(zip(fields[0::2], fields[1::2]))
+                if self._event_field in values:
+                    return float(values[self._event_field])
+            except (ValueError, IndexError):
+                continue
+        return None
 
     def _field_line(self, fields: list) -> bytes:
         """One line of the schema's columns (in _field_columns order) from an entry's field map."""
@@ -328,8 +355,9 @@ class RedisSource(StreamSource):
             pass
         with self._lock:
             position = self._position
-        if position is not None:
-            lag["lag_seconds"] = max(0.0, time.time() - entry_key(position["last_id"])[0] / 1000.0)
+        if position is not None:  # behind the newest trained record's event time, else its entry's time
+            since = position.get("event_time", entry_key(position["last_id"])[0] / 1000.0)
+            lag["lag_seconds"] = max(0.0, time.time() - since)
         return lag
 
     def close(self) -> None:
