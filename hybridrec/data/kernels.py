@@ -30,11 +30,14 @@ ERROR_COLUMN_COUNT = 1
 ERROR_NOT_A_NUMBER = 2
 ERROR_BAD_LABEL = 3
 ERROR_BAD_HOUR = 4
+ERROR_OUT_OF_RANGE = 5
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 ERROR_REASONS = {
     ERROR_COLUMN_COUNT: "wrong number of columns",
     ERROR_NOT_A_NUMBER: "not a number",
     ERROR_BAD_LABEL: "label is not a number (or not 0/1 where labels are binary)",
     ERROR_BAD_HOUR: "hour is not YYMMDDHH",
+    ERROR_OUT_OF_RANGE: f"number out of range (beyond float32's +-{FLOAT32_MAX:.4g}, or infinite)",
 }
 
 # Field indices must fit below the hex value and length bits of the injective key layout.
@@ -298,6 +301,8 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                 ok, value = parse_number(buf, start, end)
                 if not ok or (binary_labels and value != 0.0 and value != 1.0):
                     error = ERROR_BAD_LABEL
+                elif not abs(value) <= FLOAT32_MAX:
+                    error = ERROR_OUT_OF_RANGE
                 else:
                     labels[kept, slot] = value
             elif kind == KIND_DENSE or kind == KIND_DENSE_LOG1P:
@@ -306,7 +311,9 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                     ok, value = parse_number(buf, start, end)
                     if not ok:
                         error = ERROR_NOT_A_NUMBER
-                if kind == KIND_DENSE_LOG1P:
+                    elif not abs(value) <= FLOAT32_MAX and (kind == KIND_DENSE or abs(value) == np.inf):
+                        error = ERROR_OUT_OF_RANGE  # infinite, or stored as float32 inf: it would train as inf
+                if error == 0 and kind == KIND_DENSE_LOG1P:
                     value = _log1p_of_count(value)
                 dense[kept, slot] = value
             elif kind == KIND_CATEGORICAL:

@@ -15,7 +15,8 @@ global data-row indices (0-based across all files, header lines not counted). A 
 a line, good or bad, so `row_range=(start, stop)` keeps the same lines whatever they hold;
 rows outside it are neither parsed nor reported.
 
-Bad rows (wrong column count, non-numeric dense value, bad label) are dropped, counted in
+Bad rows (wrong column count, non-numeric dense value, bad label, a number that is infinite or
+beyond float32's range, which would train as inf) are dropped, counted in
 `reader.bad_rows` (every pass) and the first few logged with file and line (the first pass
 only, so each bad line is reported once); `strict=True` raises a `UserError` naming file,
 line, column and value at the first one. Files that do not fit the reader or the schema are
@@ -432,7 +433,8 @@ class ParquetReader(_ShardedReader):
 
     Categorical columns of any type are cast to strings and hashed like the text reader
     hashes them; multi-ID columns may be list columns or strings split on multi_separator.
-    Rows with a null or (for binary labels) non-0/1 label are bad rows."""
+    Rows with a null or (for binary labels) non-0/1 label, or a label or dense value that is NaN,
+    infinite or beyond float32, are bad rows."""
 
     def __init__(self, paths, schema: TabularSchema, batch_size: int, **kwargs) -> None:
         super().__init__(paths, schema, batch_size, **kwargs)
@@ -478,6 +480,21 @@ class ParquetReader(_ShardedReader):
                 if len(batch):
                     yield batch
 
+    def _record_parquet_bad(self, bad: np.ndarray, problems: list, rows: np.ndarray, path: Path,
+                            file_first_row: int) -> None:
+        """Count (and report, in file order) the rows where `bad` is true, each by the first of
+        `problems` [(mask, what(r) -> (column, value), error code)] it has."""
+        found = np.flatnonzero(bad)
+
+        def describe(i: int) -> BadRow:
+            r = found[i]
+            mask, what, code = next(problem for problem in problems if problem[0][r])
+            column, value = what(r)
+            return BadRow(f"{path} (row)", int(rows[r]) - file_first_row + 1, column, value,
+                          kernels.ERROR_REASONS[code])
+
+        self._record(len(found), describe)
+
     def _to_batch(self, table, rows: np.ndarray, path: Path, file_first_row: int) -> Batch:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -485,19 +502,27 @@ class ParquetReader(_ShardedReader):
         schema = self.schema
         labels = np.stack([pc.cast(table.column(c), pa.float32()).to_numpy(
             zero_copy_only=False) for c in schema.labels], axis=1).astype(np.float32)
-        bad = np.isnan(labels).any(axis=1)
+        not_labels = np.isnan(labels).any(axis=1)
         if schema.binary_labels:
-            bad |= ~np.isin(labels, (0.0, 1.0)).all(axis=1)
-        bad_rows = np.flatnonzero(bad)
-        self._record(len(bad_rows), lambda i: BadRow(
-            f"{path} (row)", int(rows[bad_rows[i]]) - file_first_row + 1, "label", str(labels[bad_rows[i]].tolist()),
-            kernels.ERROR_REASONS[kernels.ERROR_BAD_LABEL]))
+            not_labels |= ~np.isin(labels, (0.0, 1.0)).all(axis=1)
+
+        def label_text(r: int) -> tuple[str, str]:
+            return "label", str(labels[r].tolist())
+
+        problems = [(not_labels, label_text, kernels.ERROR_BAD_LABEL),
+                    (~np.isfinite(labels).all(axis=1), label_text, kernels.ERROR_OUT_OF_RANGE)]
         dense = np.zeros((table.num_rows, len(schema.dense)), dtype=np.float32)
+        log1p = schema.dense_transform == "log1p"
         for j, column in enumerate(schema.dense):
             values = pc.fill_null(pc.cast(table.column(column), pa.float64()), 0.0)
             values = values.to_numpy(zero_copy_only=False)
-            dense[:, j] = np.log1p(np.maximum(values, 0.0)) if schema.dense_transform == \
-                "log1p" else values
+            # NaN, infinite, or (stored as float32) past its range: a bad row, as in the text reader
+            wrong = np.isnan(values) | np.isinf(values) if log1p else ~(np.abs(values) <= kernels.FLOAT32_MAX)
+            problems.append((wrong, lambda r, v=values, c=column: (c, repr(float(v[r]))), kernels.ERROR_OUT_OF_RANGE))
+            with np.errstate(invalid="ignore", over="ignore"):
+                dense[:, j] = np.log1p(np.maximum(values, 0.0)) if log1p else values
+        bad = np.logical_or.reduce([mask for mask, _, _ in problems])
+        self._record_parquet_bad(bad, problems, rows, path, file_first_row)
         lengths, pieces = [], []
         for slot, column in enumerate(schema.categorical + schema.multi_categorical):
             data = table.column(column)
@@ -521,8 +546,9 @@ class ParquetReader(_ShardedReader):
             offsets = np.zeros(length_matrix.size + 1, dtype=np.int64)
             np.cumsum(length_matrix.ravel(), out=offsets[1:])
             sparse = JaggedFeatures(list(names), np.concatenate(pieces), offsets)
-        else:
+        else:  # no sparse feature to take rows of: keep the good rows of the rest
             sparse = JaggedFeatures([], np.empty(0, np.uint64), np.zeros(1, np.int64))
+            return Batch(sparse, dense[keep], labels[keep], rows[keep].astype(np.uint64))
         batch = Batch(sparse, dense, labels, rows.astype(np.uint64))
         return batch if keep.all() else batch.take_rows(np.flatnonzero(keep))
 

@@ -243,3 +243,34 @@ def test_crlf_endings_and_a_missing_final_newline_change_nothing(tmp_path):
     np.testing.assert_array_equal(crlf.sparse.values, unix.sparse.values)
     np.testing.assert_array_equal(crlf.labels, unix.labels)
     assert [len(b) for b in CriteoReader(tmp_path / "w.tsv", 2, drop_last=True)] == [2, 2]
+
+
+def test_numbers_out_of_range_are_bad_rows_with_file_and_line(tmp_path, caplog):
+    criteo = [criteo_line(), criteo_line(dense=["1e400"] + ["0"] * 12), criteo_line(dense=["-1e400"] + ["0"] * 12),
+              criteo_line(dense=["1e39"] + ["0"] * 12), criteo_line()]  # 1e39 counts log1p to 89.8: kept
+    path = write(tmp_path / "big.tsv", criteo)
+    reader = CriteoReader(path, batch_size=8)
+    batch = one_batch(reader)
+    assert batch.sample_ids.tolist() == [0, 3, 4] and np.isfinite(batch.dense).all()
+    assert [(b.line, b.column, b.value) for b in reader.bad_rows.examples] == [(2, "2 (I1)", "1e400"),
+                                                                                (3, "2 (I1)", "-1e400")]
+    assert "number out of range" in str(reader.bad_rows.examples[0]) and f"{path}:2:" in caplog.text
+    with pytest.raises(ValueError, match=r"big\.tsv:2: column 2 \(I1\): number out of range"):
+        list(CriteoReader(path, 8, strict=True))
+    schema = TabularSchema.from_dict({"labels": ["y"], "dense": ["x"], "binary_labels": False})
+    csv = write(tmp_path / "t.csv", ["x,y\n", "1.5,1\n", "1e39,1\n", "2,1e39\n", "-3.5e38,0\n", "3.4e38,0\n"])
+    from_csv = DelimitedTextReader(csv, schema, batch_size=8)
+    assert one_batch(from_csv).sample_ids.tolist() == [0, 4]
+    assert [(b.line, b.column) for b in from_csv.bad_rows.examples] == [(3, "1 (x)"), (4, "2 (y)"), (5, "1 (x)")]
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"x": [1.5, 1e39, 2.0, float("inf"), float("nan"), 3.4e38],
+                             "y": [1.0, 1.0, 1e39, 0.0, 0.0, 0.0]}), tmp_path / "t.parquet")
+    from_parquet = ParquetReader(tmp_path / "t.parquet", schema, batch_size=8)
+    batch = one_batch(from_parquet)
+    assert batch.sample_ids.tolist() == [0, 5] and np.isfinite(batch.dense).all() and np.isfinite(batch.labels).all()
+    assert sorted((b.line, b.column) for b in from_parquet.bad_rows.examples) == [(2, "x"), (3, "label"), (4, "x"),
+                                                                                  (5, "x")]
+    assert all("number out of range" in b.reason for b in from_parquet.bad_rows.examples)
+    with pytest.raises(ValueError, match=r"t\.parquet \(row\):2: column x: number out of range"):
+        list(ParquetReader(tmp_path / "t.parquet", schema, batch_size=8, strict=True))
