@@ -25,6 +25,8 @@ BENCHMARKS = {
     "stream": ("hybridrec.benchmarks.stream", "online training on streams: file vs Redis samples/s and progressive AUC; "
                "duplicates and missing records across SIGKILL + --resume, arriving files, a 2-trainer Persia job"),
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
+    "serve": ("hybridrec.benchmarks.serve", "hybridrec serve vs a plain PyTorch server: QPS, p50/p99, bundle bytes and "
+              "AUC by precision, delta bytes, freshness, failures during swaps"),
 }
 # `hybridrec bench` commands that measure nothing
 BENCH_TOOLS = {

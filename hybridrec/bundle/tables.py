@@ -1,6 +1,6 @@
 """A bundle's tables as the predictor reads them: keys with their stored rows, a hash index over
-the keys, the lookup that returns float32 rows (missing keys read as zeros, as in training's
-evaluation lookup, and are counted), and the merge of a delta into a new table.
+the keys (the predictor's lookup, `kernels.pool_side`, probes it), and the merge of a delta into a
+new table.
 
 A table is never changed in place: `apply(delta)` builds the next version's table beside the one
 being served, so a request in flight reads one version or the other, never half of each.
@@ -42,19 +42,11 @@ class ServingTable:
     def nbytes(self) -> int:
         return int(self.keys.nbytes + sum(a.nbytes for a in self.arrays.values()))
 
-    def rows(self, query: np.ndarray) -> tuple[np.ndarray, int]:
-        """(float32 [n, dim] rows of `query`'s keys, how many of them the table does not hold);
-        a key the table does not hold reads as zeros."""
-        found = np.empty(len(query), np.int64)
-        missing = BK.find_rows(query, self.keys, self.slots, found)
-        out = np.empty((len(query), self.dim), np.float32)
-        if self.precision == "fp32":
-            BK.gather_fp32(self.arrays["weights"], found, out)
-        elif self.precision == "fp16":
-            BK.gather_fp16(self.arrays["weights"], found, out)
-        else:
-            BK.gather_int8(self.arrays["codes"], self._scale, self._bias, found, out)
-        return out, int(missing)
+    def dequantizing(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, bias) float32 per row of an int8 table; empty arrays for other precisions."""
+        if self.precision == "int8":
+            return self._scale, self._bias
+        return np.empty(0, np.float32), np.empty(0, np.float32)
 
     def weights(self) -> np.ndarray:
         """Every row as float32, in key order of `keys`."""

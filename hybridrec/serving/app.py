@@ -32,6 +32,7 @@ from hybridrec.serving.batching import Job, MicroBatcher
 from hybridrec.serving.keeper import VersionKeeper
 from hybridrec.serving.metrics import ServerMetrics
 from hybridrec.serving.options import ServeOptions
+from hybridrec.serving.predictor import Predictor
 
 
 class BadRequest(Exception):
@@ -45,12 +46,12 @@ def _json(data, status: int = 200) -> Response:
 class PredictionService:
     """The handlers and their state: the version keeper, the micro-batcher and the metrics."""
 
-    def __init__(self, options: ServeOptions, token: str | None = None):
+    def __init__(self, options: ServeOptions, token: str | None = None, predictor=Predictor):
         import torch
 
         torch.set_num_threads(options.threads)
         self.options, self.token = options, token
-        self.keeper = VersionKeeper(options.bundle, options.version, options.poll_seconds)
+        self.keeper = VersionKeeper(options.bundle, options.version, options.poll_seconds, predictor)
         self.metrics = ServerMetrics()
         self.metrics.version.set(self.keeper.version)
         self.batcher = MicroBatcher(self.keeper, self.metrics, options.batch_wait_ms, options.max_batch_rows)

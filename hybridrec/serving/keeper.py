@@ -23,12 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class VersionKeeper:
-    def __init__(self, source, version: int | None = None, poll_seconds: float = 0.2):
+    def __init__(self, source, version: int | None = None, poll_seconds: float = 0.2, predictor=Predictor):
+        """`predictor(version)` makes what scores a loaded version (`Predictor`; a benchmark's peer
+        gives its own)."""
         source = Path(source)
+        self.predictor = predictor
         self.root = source.parent if is_version(source) and VERSION_NAME.fullmatch(source.name) else source
         self.follows_directory = not is_version(source) or VERSION_NAME.fullmatch(source.name) is not None
         self.poll_seconds = poll_seconds
-        self.current = Predictor(chain.load(chain.resolve(source, version)))
+        self.current = predictor(chain.load(chain.resolve(source, version)))
         self.pinned = version is not None or not self.follows_directory
         self.swaps = 0
         self._load_lock = threading.Lock()
@@ -49,7 +52,7 @@ class VersionKeeper:
 
     def _load(self, number: int) -> Predictor:
         path = chain.resolve(self.root, number) if self.follows_directory else chain.resolve(self.root)
-        return Predictor(chain.advance(self.current.version, path))
+        return self.predictor(chain.advance(self.current.version, path))
 
     def pin(self, number: int | None = None) -> int:
         """Serve version `number` (default: the newest one older than the one served) and stay on

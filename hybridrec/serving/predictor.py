@@ -13,11 +13,48 @@ import threading
 import numpy as np
 import torch
 
+from numba.typed import List
+
+from hybridrec.bundle import kernels as BK
 from hybridrec.bundle.chain import Version
+from hybridrec.bundle.format import BundleError
 from hybridrec.bundle.model import build
 from hybridrec.data.batch import Batch
-from hybridrec.embedding import kernels as EK
 from hybridrec.embedding.table import POOLING_MODES
+
+
+class SideLookup:
+    """The tables of one side (deep or wide) as one native call: every feature's keys looked up in
+    its table and pooled by the table's pooling into [B, F, dim]."""
+
+    def __init__(self, name: str, features, mapping: dict, tables: dict):
+        self.name = name
+        names = list(dict.fromkeys(mapping[f] for f in features))
+        self.tables = [tables[n] for n in names]
+        self.dim = self.tables[0].dim
+        precisions = {t.precision for t in self.tables}
+        if len(precisions) != 1 or {t.dim for t in self.tables} != {self.dim}:
+            raise BundleError(f"bundle: the {name} tables mix dims or precisions ({sorted(precisions)})")
+        self.precision = BK.PRECISION_CODES[precisions.pop()]
+        self.feature_table = np.array([names.index(mapping[f]) for f in features], np.int64)
+        self.modes = np.array([POOLING_MODES[tables[mapping[f]].pooling] for f in features], np.int64)
+        lists = {"keys": List(), "slots": List(), "weights": List(), "scales": List(), "biases": List()}
+        for table in self.tables:
+            lists["keys"].append(table.keys)
+            lists["slots"].append(table.slots)
+            lists["weights"].append(table.arrays["codes" if self.precision == 2 else "weights"])
+            scale, bias = table.dequantizing()
+            lists["scales"].append(scale)
+            lists["biases"].append(bias)
+        self.lists = lists
+
+    def pool(self, batch: Batch) -> tuple[np.ndarray, int]:
+        size = batch.batch_size
+        out = np.empty((size, len(self.feature_table), self.dim), np.float32)
+        l = self.lists
+        missing = BK.pool_side(batch.sparse.values, batch.sparse.offsets, size, self.feature_table, self.modes,
+                               l["keys"], l["slots"], l["weights"], l["scales"], l["biases"], self.precision, out)
+        return out, int(missing)
 
 
 class Predictor:
@@ -28,11 +65,8 @@ class Predictor:
         features = version.features
         self.features = features
         self.task_names = list(features.labels)
-        self.sides = []  # (side, dim, [(feature column, table)])
-        for side, mapping in (("deep", features.deep_map), ("wide", features.wide_map)):
-            if mapping:
-                columns = [(f, version.tables[mapping[name]]) for f, name in enumerate(features.sparse_names)]
-                self.sides.append((side, columns[0][1].dim, columns))
+        self.sides = [SideLookup(side, features.sparse_names, mapping, version.tables)
+                      for side, mapping in (("deep", features.deep_map), ("wide", features.wide_map)) if mapping]
         self._missing = 0
         self._lookups = 0
         self._count_lock = threading.Lock()
@@ -52,24 +86,18 @@ class Predictor:
 
     def pooled(self, batch: Batch) -> dict[str, np.ndarray]:
         """{side: pooled embeddings}: deep [B, F, D], wide [B, F, 1]."""
-        sparse = batch.sparse
-        size = batch.batch_size
-        offsets = sparse.offsets
-        out, missing, looked = {}, 0, 0
-        for side, dim, columns in self.sides:
-            pooled = np.empty((size, len(columns), dim), np.float32)
-            for f, table in columns:
-                lo, hi = offsets[f * size], offsets[(f + 1) * size]
-                rows, absent = table.rows(sparse.values[lo:hi])
-                missing += absent
-                looked += hi - lo
-                EK.gather_pool(rows, np.arange(hi - lo, dtype=np.int64), offsets[f * size:(f + 1) * size + 1] - lo,
-                               POOLING_MODES[table.pooling], pooled, f)
-            out[side] = pooled
+        out, missing = {}, 0
+        for side in self.sides:
+            out[side.name], absent = side.pool(batch)
+            missing += absent
+        self.count_lookups(len(batch.sparse.values) * len(self.sides), missing)
+        return out
+
+    def count_lookups(self, looked: int, missing: int) -> None:
+        """Add a batch's IDs looked up and IDs the tables did not hold to the counts."""
         with self._count_lock:
             self._missing += missing
             self._lookups += looked
-        return out
 
     @torch.inference_mode()
     def score_batch(self, batch: Batch) -> np.ndarray:

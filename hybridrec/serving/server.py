@@ -46,14 +46,16 @@ def bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(options: ServeOptions, host: str, port: int, timeout: float | None = None, ready=None) -> None:
-    """Run the server until interrupted (or `timeout` seconds); `ready(port)` is called once it listens."""
+def serve(options: ServeOptions, host: str, port: int, timeout: float | None = None, ready=None,
+          predictor=None) -> None:
+    """Run the server until interrupted (or `timeout` seconds); `ready(port)` is called once it
+    listens. `predictor(version)`: what scores a version (default `Predictor`)."""
     require_serve_extra()
     import uvicorn
 
     from hybridrec.serving.app import PredictionService, build_app
 
-    service = PredictionService(options, http_token(host))
+    service = PredictionService(options, http_token(host), **({} if predictor is None else {"predictor": predictor}))
     sock = bound_socket(host, port)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
