@@ -27,6 +27,8 @@ BENCHMARKS = {
     "ht": ("hybridrec.benchmarks.ht", "Hierarchical Training (Hogwild groups) vs EASGD replicas: loss, AUC, samples/s, bytes"),
     "serve": ("hybridrec.benchmarks.serve", "hybridrec serve vs a plain PyTorch server: QPS, p50/p99, bundle bytes and "
               "AUC by precision, delta bytes, freshness, failures during swaps"),
+    "staleness": ("hybridrec.benchmarks.staleness", "emulated W-worker sync / hybrid / async / HET / SSP / HT runs "
+                  "(hybridrec.lab): AUC gaps to sync by tau and W, the claims, the oracle check against real jobs"),
 }
 # `hybridrec bench` commands that measure nothing
 BENCH_TOOLS = {

@@ -83,7 +83,9 @@ class SharedEmbeddings:
     def prepare_read(self, worker: int, step: int, required: np.ndarray, schedule) -> None:
         """Before a read: every update the bound requires (`required[w]` of worker w's) applied,
         and as many more as the schedule lets the read see."""
-        self.catch_up(schedule.visible(required, self.computed, worker, step), schedule)
+        targets = schedule.visible(required, self.computed, worker, step)
+        schedule.note_applied(targets, np.maximum(self.applied, targets))
+        self.catch_up(targets, schedule)
 
     def micro_batches(self, looked: dict, batch) -> list:
         return [(looked, batch)]
@@ -102,7 +104,7 @@ class SharedEmbeddings:
         """Apply updates until every worker has `targets[w]` applied: the extra ones in the order
         the schedule draws."""
         extra = np.maximum(np.minimum(targets, self.computed) - self.applied, 0)
-        for worker in schedule.apply_order(extra):
+        for worker in schedule.apply_order(extra, self.applied.copy()):
             self.apply(int(worker))
 
     def drain(self) -> None:

@@ -99,9 +99,13 @@ class _Job:
                                         self.device)
         return inputs
 
-    def evaluate(self, model: torch.nn.Module, batches: int | None = None) -> dict:
-        test = self.sources[0].test
-        source = test if batches is None else itertools.islice(test, batches)
+    def evaluate(self, model: torch.nn.Module, batches: int | None = None, split: str = "test") -> dict:
+        """Metrics on the test rows (or the validation rows) as the loop's `evaluate` gives them."""
+        held_out = self.sources[0].test if split == "test" else self.sources[0].valid
+        if held_out is None:
+            raise UserError("evaluate_on valid: the config has no validation rows (data.valid_fraction or "
+                            "data.valid_path)")
+        source = held_out if batches is None else itertools.islice(held_out, batches)
         return evaluate(model, self.placement, source, self.sources[0].label_names, World())
 
 
@@ -171,7 +175,7 @@ def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedu
             side.prepare_read(w, c, _required(c, bound, workers), schedule)
             looked = side.read(w, c, batch, expected=np.minimum(side.computed, c))
             required = dense.required_version(c - dense_bound)
-            dense.begin_step(int(schedule.visible(np.array([required]), np.array([dense.version]))[0]))
+            dense.begin_step(schedule.dense_version(required, dense.version, w, c))
             inputs = job.step(side, dense.model, c, batch, looked)
             oldest = min((int(iteration[a]) + (a == w) for a in active), default=c + 1)
             dense.finish_step(c, dense.required_version(oldest - dense_bound))
@@ -210,13 +214,14 @@ def _groups(job: _Job, side: SharedEmbeddings, dense: GroupCopies, schedule: Sch
 
 def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Schedule | None = None, *,
             curve_every: int | None = None, curve_batches: int | None = None,
-            observer: Callable | None = None) -> "Emulation":
+            observer: Callable | None = None, evaluate_on: str = "test") -> "Emulation":
     """Train `cfg`'s job as `workers` workers under `discipline`, interleaved by `schedule`
     (default: seed 0, the bound's worst case); its `Emulation` (test metrics, run facts, model).
 
     `curve_every`: evaluate every that many samples (on the first `curve_batches` test batches,
     all by default) for the curve of AUC against samples seen. `observer(event, **facts)` sees
-    every embedding read, enqueue and apply (under het: every read, with the caches)."""
+    every embedding read, enqueue and apply (under het: every read, with the caches).
+    `evaluate_on`: "test", or "valid" for the validation rows (tuning learning rates)."""
     discipline.check(workers)
     schedule = schedule if schedule is not None else Schedule(0)
     started = time.perf_counter()
@@ -246,8 +251,9 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
     side.finish()
     model = dense.final_model()
     trained = time.perf_counter() - started
-    metrics = job.evaluate(model)
-    result = {**discipline.record(), "workers": workers, "seed": job.cfg.seed, "schedule": schedule.describe(),
+    metrics = job.evaluate(model, split=evaluate_on)
+    result = {**discipline.record(), "label": discipline.label(), "workers": workers, "seed": job.cfg.seed,
+              "schedule": schedule.describe(), "evaluated_on": evaluate_on,
               "samples": progress.samples, "steps": progress.steps, "auc": metrics["auc"],
               "logloss": metrics["logloss"], "best_auc": job.sources[0].best_auc, "curve": progress.curve,
               "seconds": trained, "samples_per_s": progress.samples / trained if trained else None,

@@ -12,6 +12,8 @@ The emulator asks the schedule, in a fixed order, for:
   `visibility = 0` is the bound's worst case (every read misses all it may miss) and 1 is as
   fresh as causality allows;
 * `apply_order(counts)`: the order in which the extra updates a read sees reach the store;
+* `dense_version(required, available, ...)`: async and SSP's dense copy, as `visible` for one
+  worker's count of versions;
 * `next_worker(eligible)`: SSP's free-running workers: which eligible worker steps next, by
   per-worker speeds drawn once from the seed (fast workers run ahead up to the bound);
 * `hogwild(members)`: one round of a Hierarchical Training group: the order of its members'
@@ -60,8 +62,17 @@ class Schedule:
         extra = self.rng.geometric(1.0 - self.visibility, size=room.shape) - 1
         return required + np.minimum(extra, room)
 
-    def apply_order(self, counts: np.ndarray) -> np.ndarray:
-        """Worker ids, each repeated as often as `counts` says, in the order their updates land."""
+    def note_applied(self, targets: np.ndarray, applied: np.ndarray) -> None:
+        """A read was to see `targets` of each worker's updates and saw `applied` (a seeded schedule
+        never asks for less than was applied before)."""
+
+    def dense_version(self, required: int, available: int, worker: int, step: int) -> int:
+        """async, SSP: the version of the central dense copy a step computes on."""
+        return int(self.visible(np.array([required]), np.array([available]))[0])
+
+    def apply_order(self, counts: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+        """Worker ids, each repeated as often as `counts` says, in the order their updates land
+        (`start`: each worker's updates applied so far)."""
         ids = np.repeat(np.arange(len(counts)), np.asarray(counts, np.int64))
         return ids[self.rng.permutation(len(ids))] if len(ids) > 1 else ids
 

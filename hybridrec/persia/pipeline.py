@@ -11,7 +11,9 @@ when it was looked up — is measured and is never more than `tau`. `tau = 0` is
 discipline: every lookup sees every earlier update of this trainer.
 
 Other trainers' updates interleave freely with this one's (the PS applies pushes as they
-come, without locks across trainers), as in Persia.
+come, without locks across trainers), as in Persia. The pipeline's `timeline` records when each
+lookup and update was sent and answered, from which the job learns how many steps of every
+trainer each lookup missed (hybridrec.persia.staleness).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import put_unless_stopped
+from hybridrec.persia.staleness import Timeline
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
 _END = object()
@@ -86,6 +89,7 @@ class EmbeddingPipeline:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.staleness: list[int] = []
+        self.timeline = Timeline()  # when each lookup and update was sent and answered (persia.staleness)
         self.lost_batches = 0  # pulls or pushes of batches the embedding worker no longer held
         self.dropped_updates = 0  # updates of keys the PS no longer held (evicted, not admitted)
         self.unacknowledged_updates = 0  # pushes a PS shard died under (not retried, maybe not applied)
@@ -125,10 +129,12 @@ class EmbeddingPipeline:
             with self._pull_lock:
                 if self._stop.is_set():
                     return
+                sent = Timeline.now()
                 looked = connection.lookup(prepared, train=True)
             if looked is None:
                 self.lost_batches += 1
                 continue
+            self.timeline.lookups.append((sent, Timeline.now()))
             looked_up += 1
             if not self._offer(ReadyBatch(index, batch, looked, staleness)):
                 return
@@ -147,7 +153,9 @@ class EmbeddingPipeline:
                 return
             looked, grads = item
             if looked is not None:
+                sent = Timeline.now()
                 reply = connection.update(looked, grads)
+                self.timeline.updates.append((sent, Timeline.now()))
                 lost, dropped, unacknowledged = update_counts(reply)
                 self.lost_batches += lost
                 self.dropped_updates += dropped

@@ -13,21 +13,27 @@ import importlib
 from hybridrec.axes import AXES
 from hybridrec.strategy.consistency.inline import InlineStream
 from hybridrec.persia.pipeline import EmbeddingPipeline
+from hybridrec.persia.staleness import StalenessTelemetry
 
 
 class Consistency:
     tau = 0
+    telemetry: StalenessTelemetry | None = None  # the threaded pipelines' timelines (make_consistency sets it)
 
     def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
         if placement.background_lookups:
-            return EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit)
+            pipeline = EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit)
+            if self.telemetry is not None:
+                self.telemetry.add(pipeline.timeline)
+            return pipeline
         if self.tau:
             raise ValueError(f"tau={self.tau} needs a placement that looks up off the training thread")
         return InlineStream(batches, placement.connect, skip=skip, limit=limit, prefetch=prefetch)
 
     def facts(self, world) -> dict:
-        """Figures of the whole job for final_metrics.json (every trainer calls this together)."""
-        return {}
+        """Figures of the whole job for final_metrics.json (every trainer calls this together):
+        with threaded pipelines, the staleness of every trainer's lookups (persia.staleness)."""
+        return self.telemetry.facts(world) if self.telemetry is not None else {}
 
     def close(self) -> None:
         """Release what the consistency holds across epochs (HET's caches and connections)."""
@@ -35,4 +41,6 @@ class Consistency:
 
 def make_consistency(name: str, cfg) -> Consistency:
     module = importlib.import_module(f"hybridrec.strategy.{AXES['consistency'][name].module}")
-    return module.CONSISTENCY(cfg)
+    consistency = module.CONSISTENCY(cfg)
+    consistency.telemetry = StalenessTelemetry(cfg.train.output_dir)
+    return consistency

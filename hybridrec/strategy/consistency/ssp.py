@@ -110,7 +110,10 @@ class Ssp(Consistency):
             clocks = _ClockClient(client, world.rank, world.size, self.generation)
             return _Clocked(self, placement.connect(), clocks, closing)
 
-        return SspPipeline(batches, connect, self.staleness, skip=skip, limit=limit, on_skip=self._took_back)
+        pipeline = SspPipeline(batches, connect, self.staleness, skip=skip, limit=limit, on_skip=self._took_back)
+        if self.telemetry is not None:
+            self.telemetry.add(pipeline.timeline)
+        return pipeline
 
     def _took_back(self) -> None:
         self.lookups -= 1

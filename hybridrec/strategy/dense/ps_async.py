@@ -1,13 +1,15 @@
 """Asynchronous dense sync through the PS (the baseline Persia beats): the dense parameters
 live on the PS servers; each step pulls their current values and pushes its own gradients,
 which the PS applies with the dense optimizer as they arrive. No AllReduce and no barrier
-between trainers, so they do not run in lockstep."""
+between trainers, so they do not run in lockstep. The times of the pulls and pushes are recorded
+(`dense_staleness_cross` in final_metrics.json, dense_trace.npz for the staleness lab)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from hybridrec.config import ConfigError
+from hybridrec.persia.staleness import DENSE_TRACE_FILE, StalenessTelemetry, Timeline
 from hybridrec.strategy.dense import DenseSync
 
 
@@ -21,6 +23,9 @@ class ParameterServerDense(DenseSync):
         self.model = self.module = model
         self.ps = ps
         self.params = dict(model.named_parameters())
+        self.timeline = Timeline()  # when each pull and push was sent and answered
+        self.telemetry = StalenessTelemetry(cfg.train.output_dir, "dense_staleness_cross", DENSE_TRACE_FILE)
+        self.telemetry.add(self.timeline)
         opt = cfg.train.dense_optimizer
         initial = {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
         # every trainer offers its initial values; the PS keeps the first it gets per parameter
@@ -32,14 +37,23 @@ class ParameterServerDense(DenseSync):
                 self.params[name].copy_(torch.from_numpy(np.asarray(value)))
 
     def begin_step(self) -> None:
-        self._assign(self.ps.dense_pull(list(self.params)))
+        sent = Timeline.now()
+        values = self.ps.dense_pull(list(self.params))
+        self.timeline.lookups.append((sent, Timeline.now()))
+        self._assign(values)
         for p in self.params.values():
             p.grad = None
 
     def finish_step(self) -> None:
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().numpy()
                  for name, p in self.params.items()}
+        sent = Timeline.now()
         self.ps.dense_push(grads)
+        self.timeline.updates.append((sent, Timeline.now()))
+
+    def facts(self, world) -> dict:
+        """The steps of every trainer each step's pulled copy may have missed (persia.staleness)."""
+        return self.telemetry.facts(world)
 
     def state(self) -> dict:
         return {"model": self.model.state_dict()}  # the optimizer state is the PS's (its checkpoint)

@@ -1,0 +1,90 @@
+"""What the staleness of a real job's lookups was: each trainer's timeline of lookups and
+acknowledged updates, and the job's view of them once every trainer's is gathered.
+
+A trainer's `Timeline` holds, in step order, the wall-clock time each training lookup was sent and
+answered and each update was sent and acknowledged (the embedding pipeline records them; the
+trainers of one job share the host's clock, emulated hosts included). Gathered (`StalenessTelemetry.facts`,
+a collective), they say for every lookup of trainer r at its step i how many steps of every
+trainer r' it missed: the steps before i whose update r' had not had acknowledged when the lookup
+was sent (an update acknowledged after that may still have been applied in time: this count is
+the most the lookup can have missed, and the pipeline's own bound applies to r' = r). The job's
+`staleness_cross` in final_metrics.json is the histogram of each lookup's largest such count, and
+the leader writes every time to `staleness_trace.npz` in the output directory, from which the
+staleness lab replays the job (hybridrec.lab.trace).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridrec.metrics import StalenessHistogram
+
+TRACE_FILE = "staleness_trace.npz"  # the embedding lookups' times
+DENSE_TRACE_FILE = "dense_trace.npz"  # ps_async: the dense pulls' and pushes' times
+
+
+class Timeline:
+    """One trainer's lookups and updates: (sent, answered) wall-clock seconds, in step order."""
+
+    def __init__(self) -> None:
+        self.lookups: list[tuple[float, float]] = []
+        self.updates: list[tuple[float, float]] = []
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"lookups": np.array(self.lookups, np.float64).reshape(-1, 2),
+                "updates": np.array(self.updates, np.float64).reshape(-1, 2)}
+
+
+def joined(timelines: list[Timeline]) -> dict[str, np.ndarray]:
+    """One trainer's timelines of several epochs, one after another."""
+    parts = [t.arrays() for t in timelines]
+    return {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in ("lookups",
+                                                                                                      "updates")}
+
+
+def missed_steps(trainers: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """Per trainer, [lookups, trainers]: the steps of each trainer a lookup may have missed (those
+    before the lookup's step whose update was not acknowledged when it was sent)."""
+    acked = [np.sort(t["updates"][:, 1]) for t in trainers]
+    out = []
+    for t in trainers:
+        sent = t["lookups"][:, 0]
+        step = np.arange(len(sent))
+        seen = np.stack([np.searchsorted(a, sent, side="left") for a in acked], axis=1) if acked else np.zeros((len(sent), 0))
+        out.append(np.maximum(step[:, None] - seen, 0))
+    return out
+
+
+class StalenessTelemetry:
+    """The timelines of one trainer's streams; `facts(world)` gathers every trainer's. `name`:
+    the fact's name and `trace_file` the file's (the dense pulls and pushes of ps_async are
+    recorded the same way, as `dense_staleness_cross` in DENSE_TRACE_FILE)."""
+
+    def __init__(self, output_dir: str | Path, name: str = "staleness_cross", trace_file: str = TRACE_FILE):
+        self.output_dir = Path(output_dir)
+        self.name, self.trace_file = name, trace_file
+        self.timelines: list[Timeline] = []
+
+    def add(self, timeline: Timeline) -> None:
+        self.timelines.append(timeline)
+
+    def facts(self, world) -> dict:
+        """{name: histogram of each lookup's most missed steps of one trainer}; the leader writes
+        every trainer's times to the trace file. Every trainer calls this together."""
+        every = world.gather(joined(self.timelines))
+        if not any(len(t["lookups"]) for t in every):
+            return {}
+        histogram = StalenessHistogram()
+        for missed in missed_steps(every):
+            histogram.add(missed.max(axis=1) if missed.size else np.zeros(len(missed), np.int64))
+        if world.leader:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            arrays = {f"{kind}_{rank}": t[kind] for rank, t in enumerate(every) for kind in ("lookups", "updates")}
+            np.savez(self.output_dir / self.trace_file, trainers=np.array(len(every)), **arrays)
+        return {self.name: histogram.as_dict()}
