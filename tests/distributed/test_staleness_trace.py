@@ -1,0 +1,32 @@
+"""A real job records the staleness of its lookups: final_metrics.json's histogram of the steps of
+every trainer each lookup may have missed (and ps_async's of its dense pulls), and the traces the
+staleness lab replays: the replay reads exactly the job's lookups, its dense copies as the job's
+pulls found them."""
+import json
+
+from helpers import finish, start_launch, write_config
+
+from hybridrec.config import load_config
+from hybridrec.lab import emulate, parse
+from hybridrec.lab.trace import RecordedSchedule
+from hybridrec.persia.staleness import DENSE_TRACE_FILE, TRACE_FILE
+
+
+def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
+    config = write_config(tmp_path, threads=1)
+    log = tmp_path / "launch.log"
+    code = finish(start_launch(config, log, "--set", "strategy.dense=ps_async", "--set",
+                               "data.synthetic.train_rows=16384"), log)
+    assert code == 0, log.read_text()[-3000:]
+    run = tmp_path / "run"
+    metrics = json.loads((run / "final_metrics.json").read_text())
+    lookups = metrics["staleness_cross"]["count"]
+    assert lookups == 16384 // 256  # every training lookup of both trainers
+    assert metrics["staleness_cross"]["max"] <= metrics["samples"]
+    assert metrics["dense_staleness_cross"]["count"] == lookups
+    assert (run / TRACE_FILE).is_file() and (run / DENSE_TRACE_FILE).is_file()
+    schedule = RecordedSchedule.from_job(run)
+    cfg = load_config(config, ["data.synthetic.train_rows=16384"])
+    replay = emulate(cfg, parse("async:tau=1000000,tau_dense=1000000"), 2, schedule).result
+    assert schedule.reads == lookups and replay["samples"] == metrics["samples"]
+    assert 0.5 < replay["auc"] < 1

@@ -1,0 +1,57 @@
+"""hybridrec bench staleness: one JSON line with every run, the claims at W=16, tau=4 and the
+rates; a sweep written to --out continues where it stopped instead of running again."""
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrec.benchmarks import staleness
+from hybridrec.config import load_config
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "persia_synthetic.yaml")
+TINY = ["--config", CONFIG, "--samples", "16384", "--workers", "4", "--taus", "1", "--seeds", "0", "--set", "train.threads=1",
+        "--set", "data.synthetic.test_rows=1024", "--set", "data.batch_size=512", "--curve-points", "2",
+        "--curve-batches", "1"]
+
+
+def test_the_sweep_reports_every_run_and_continues_from_its_file(tmp_path, capsys):
+    out = tmp_path / "runs.jsonl"
+    argv = [*TINY, "--disciplines", "hybrid,ht", "--groups", "2,W", "--json", "--out", str(out)]
+    first = staleness.main(argv)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    labels = sorted(r["label"] for r in line["runs"])
+    assert labels == ["ht:groups=2,tau=1", "ht:groups=4,tau=1", "hybrid:tau=1", "sync"]
+    for run in line["runs"]:
+        assert list(run)[:7] == ["discipline", "workers", "tau", "seed", "samples", "auc", "logloss"]
+        assert run["workers"] == 4 and run["samples"] == 16384 and 0 < run["auc"] < 1
+        assert len(run["curve"]) == 2
+    sync = next(r for r in line["runs"] if r["label"] == "sync")
+    assert sync["gap_pct"] == 0.0
+    assert set(line["claims"]) >= {"hybrid_gap_pct", "async_gap_pct", "workers", "tau", "samples"}
+    assert line["claims"]["hybrid_gap_pct"] is None  # W=16 was not run
+    assert len(out.read_text().splitlines()) == 4
+    again = staleness.main(argv)  # every run is in the file: nothing runs again
+    assert [r["auc"] for r in again["runs"]] == [r["auc"] for r in first["runs"]]
+    assert len(out.read_text().splitlines()) == 4
+
+
+def test_the_claims_are_the_median_relative_gaps_to_sync_at_w16_tau4():
+    def run(label, seed, auc):
+        return {"label": label, "discipline": label.split(":")[0], "workers": 16, "tau": 4 if ":" in label else 0,
+                "seed": seed, "auc": auc, "logloss": 0.4, "lr_scale": 1.0, "dense_lr_scale": 1.0}
+    runs = staleness.with_gaps([run("sync", 0, 0.80), run("sync", 1, 0.82), run("hybrid:tau=4", 0, 0.8),
+                                run("hybrid:tau=4", 1, 0.8118), run("async:tau=4", 0, 0.78),
+                                run("async:tau=4", 1, 0.80)])
+    claims = staleness.claims(runs, 2_000_000, {})
+    assert claims["hybrid_gap_pct"] == pytest.approx(-0.5)  # median of 0% and -1%
+    assert claims["async_gap_pct"] == pytest.approx((-2.5 - 100 * 0.02 / 0.82) / 2)
+    assert claims["hybrid_within_target"] is False and claims["async_below_target"] is True
+    assert claims["rates"] == "x1/x1"
+
+
+def test_rate_scales_multiply_every_table_section_that_sets_one_and_the_dense_rate():
+    cfg = load_config(CONFIG)
+    sets = staleness.rate_overrides(cfg, 0.25, 2.0)
+    assert sorted(sets) == sorted(["train.dense_optimizer.lr=0.04", "embedding.default.optimizer.lr=0.0125",
+                                   "embedding.wide.optimizer.lr=0.05"])
+    assert staleness.rate_overrides(cfg, 1.0, 1.0) == []

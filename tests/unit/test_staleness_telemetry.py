@@ -1,0 +1,62 @@
+"""How a real job's lookups are told how stale they were (hybridrec.persia.staleness): each
+trainer's timeline of lookups and acknowledged updates, merged into the steps of every trainer
+each lookup may have missed; and the emulator's replay of such a trace (hybridrec.lab.trace)."""
+import numpy as np
+import pytest
+
+from hybridrec.errors import UserError
+from hybridrec.lab.trace import RecordedSchedule
+from hybridrec.metrics import StalenessHistogram
+from hybridrec.persia.staleness import TRACE_FILE, StalenessTelemetry, Timeline, missed_steps
+from hybridrec.strategy.world import World
+
+
+def _timeline(lookups, updates):
+    t = Timeline()
+    t.lookups = [(sent, sent + 0.5) for sent in lookups]
+    t.updates = [(acked - 0.5, acked) for acked in updates]
+    return t
+
+
+# trainer 1's first update is acknowledged late (at 12), after trainer 0's second lookup (10)
+TRAINERS = [_timeline([0, 10, 20], [5, 15, 25]), _timeline([1, 11, 21], [12, 30, 31])]
+
+
+def test_a_lookup_missed_the_steps_before_it_whose_update_was_not_acknowledged_when_it_was_sent():
+    missed = missed_steps([t.arrays() for t in TRAINERS])
+    assert missed[0].tolist() == [[0, 0], [0, 1], [0, 1]]
+    assert missed[1].tolist() == [[0, 0], [0, 1], [0, 1]]
+
+
+def test_the_job_reports_each_lookups_most_missed_steps_and_writes_the_trace(tmp_path):
+    telemetry = StalenessTelemetry(tmp_path)
+    telemetry.add(TRAINERS[0])
+    facts = telemetry.facts(World())  # a world of one: trainer 0 alone
+    assert facts["staleness_cross"]["buckets"] == {"0": 3}
+    assert (tmp_path / TRACE_FILE).is_file()
+
+
+def test_the_histogram_buckets_by_powers_of_two_and_reads_back():
+    h = StalenessHistogram()
+    h.add([0, 1, 2, 3, 4, 7, 8, 100])
+    d = h.as_dict()
+    assert d["buckets"] == {"0": 1, "1": 1, "2-3": 2, "4-7": 2, "8-15": 1, "64-127": 1}
+    assert (d["count"], d["max"], d["sum"]) == (8, 100, 125)
+    assert StalenessHistogram.from_dict(d).as_dict() == d
+    with pytest.raises(ValueError, match=">= 0"):
+        h.add([-1])
+
+
+def test_a_replay_reads_what_the_jobs_reads_saw_and_lands_updates_in_the_jobs_order():
+    schedule = RecordedSchedule([t.arrays() for t in TRAINERS])
+    # trainer 0's step 1 was served at 10.25: trainer 0's update 0 (applied ~4.75) was in, trainer 1's (11.75) not
+    assert schedule.visible(np.array([0, 0]), np.array([1, 1]), worker=0, step=1).tolist() == [1, 0]
+    # within the bound's requirement and what was computed, whatever the job saw
+    assert schedule.visible(np.array([1, 1]), np.array([1, 1]), worker=0, step=1).tolist() == [1, 1]
+    assert schedule.order([0, 1], 2) == [0, 1]
+    assert schedule.apply_order(np.array([2, 1]), np.array([0, 0])).tolist() == [0, 1, 0]
+
+
+def test_a_directory_without_a_trace_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(UserError, match=TRACE_FILE):
+        RecordedSchedule.from_job(tmp_path)
