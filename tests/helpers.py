@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -217,12 +218,19 @@ class PredictionServer:
                    str(seconds), *extra]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env, start_new_session=True)
-        first = self.process.stdout.readline()
-        if "http://" not in first:
+        seen = []
+        for line in self.process.stdout:  # Ray prints its own lines first
+            seen.append(line)
+            if line.startswith("hybridrec serve:") and " on http://" in line:
+                break
+        else:
             self.stop()
-            pytest.fail(f"hybridrec serve did not start: {first}{self.process.stdout.read()[-3000:]}")
-        self.url = first.split(" on ", 1)[1].split()[0]
+            pytest.fail("hybridrec serve did not start: " + "".join(seen)[-3000:])
+        self.url = line.split(" on ", 1)[1].split()[0]
         self.headers: dict = {}
+        self.output = seen  # the rest is read on, so that a chatty server never blocks on a full pipe
+        self._reader = threading.Thread(target=lambda: [seen.append(x) for x in self.process.stdout], daemon=True)
+        self._reader.start()
 
     def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 30):
         import urllib.error
@@ -254,7 +262,7 @@ class PredictionServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
-        self.process.stdout.close()
+        self._reader.join(10)
 
 
 def write_test_rows(cfg, path: Path) -> Path:
