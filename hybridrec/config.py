@@ -329,6 +329,20 @@ class TrainConfig(_Section):
             raise ValueError(f"train.threads is {v}; allowed: an integer 1..256 or 'auto'")
         return v
 
+    @field_validator("output_dir", "publish_dir")
+    @classmethod
+    def _a_directory(cls, value):
+        """A path that is, or can become, a directory: no existing file on the way to it."""
+        if isinstance(value, str):
+            path = Path(value)
+            for place in (path, *path.parents):
+                if place.exists():
+                    if not place.is_dir():
+                        raise ValueError(f"{value!r}: {str(place)!r} is a file, not a directory; give a directory "
+                                         f"(it is made when missing)")
+                    break
+        return value
+
 
 _AXES = ("placement", "consistency", "dense", "id_codec", "value_codec")
 
@@ -762,6 +776,9 @@ def load_config(path, overrides: list[str] | None = None) -> JobConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None and not overrides:  # empty, or comments only: a default job nobody asked for
+        raise ConfigError(f"{path}: the config is empty; give its sections (data, model, train, ...; see configs/ "
+                          f"for examples), or --set KEY=VALUE for each setting to change from the defaults")
     if overrides:
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")

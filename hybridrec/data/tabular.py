@@ -198,6 +198,8 @@ def _as_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Pa
     if not resolved:
         raise ValueError("paths must name at least one file, got none")
     for path in resolved:
+        if path.is_dir():
+            raise UserError(f"data file {str(path)!r} is a directory; name the data files in it")
         if not path.is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist")
     return resolved

@@ -100,6 +100,9 @@ def _check_paths(cfg: DataConfig) -> None:
     for key in ("path", "test_path", "valid_path"):
         value = getattr(cfg, key)
         for path in [value] if isinstance(value, str) else value or []:
+            if Path(path).is_dir():
+                raise ConfigError(f"data.{key}: {path!r} is a directory; name its data files (a list of paths: "
+                                  f"[{path.rstrip('/')}/part-0.csv, ...]), the reader does not list directories")
             if not Path(path).is_file():
                 raise ConfigError(f"data.{key}: file {path!r} does not exist (relative paths are resolved "
                                   f"from the current directory, {os.getcwd()})")

@@ -88,7 +88,10 @@ def _table_config(name: str, spec: TableConfig | Mapping[str, Any]) -> TableConf
     if isinstance(spec, TableConfig):
         return spec
     if isinstance(spec, Mapping):
-        return TableConfig.from_dict(dict(spec))
+        try:
+            return TableConfig.from_dict(dict(spec))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"table {name!r}: {error}") from None
     raise TypeError(
         f"tables[{name!r}] must be a TableConfig, a dict of its fields or an EmbeddingStore, "
         f"got {type(spec).__name__}"
@@ -458,6 +461,27 @@ def _config_job(parser: argparse.ArgumentParser, path: str,
     return tables.all_tables(), {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def _tables_json(parser: argparse.ArgumentParser, text: str) -> dict[str, Any]:
+    """--tables-json's {name: {TableConfig fields}}, or a one-line parser error."""
+    try:
+        tables = json.loads(text)
+    except json.JSONDecodeError as error:
+        parser.error(f"--tables-json is not valid JSON ({error}); give {{\"NAME\": {{\"dim\": D, \"capacity\": N}}}}")
+    if not isinstance(tables, dict) or not all(isinstance(fields, dict) for fields in tables.values()):
+        parser.error(f"--tables-json must be an object of table name -> object of its fields, got {text[:100]!r}")
+    return tables
+
+
+def _check_memory(tables: Mapping[str, TableSpec]) -> None:
+    """ValueError when the tables' rows alone need more memory than this machine has."""
+    need = sum(config.capacity * config.row_width * 4 for config in
+               (_table_config(name, spec) for name, spec in tables.items() if not isinstance(spec, EmbeddingStore)))
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise ValueError(f"the tables' rows alone need {need / 2**30:.1f} GiB, more than this machine's "
+                         f"{have / 2**30:.1f} GiB of memory; lower their capacity or dim")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.server") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -494,7 +518,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     dense_params: dict[str, tuple[int, ...]] = {}
     if args.config:
         tables, dense_params = _config_job(parser, args.config, args.sets)
-    given = [json.loads(args.tables_json) if args.tables_json else {}]
+    given = [_tables_json(parser, args.tables_json) if args.tables_json else {}]
     for name, fields in args.table:
         optimizer = {"name": args.optimizer, **({} if args.lr is None else {"lr": args.lr})}
         given.append({name: {**fields, "optimizer": optimizer, "seed": args.seed}})
@@ -509,12 +533,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     # would only oversubscribe the cores, so it gets one thread per worker.
     torch.set_num_threads(1)
     try:
+        _check_memory(tables)
         server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False, key=key,
                        dense_params=dense_params, checkpoint_root=args.checkpoint_root,
                        max_keys_per_request=args.max_keys_per_request, max_trainers=args.max_trainers,
                        max_connections=args.max_connections)
-    except ValueError as error:
-        parser.error(str(error))
+    except (ValueError, TypeError) as error:
+        parser.error(" ".join(str(error).split()))
+    except MemoryError as error:
+        parser.error(f"the tables do not fit in this machine's memory ({error}); lower their capacity or dim")
     run_until_stopped(server, on_ready=lambda: print(
         f"hybridrec-ps{LISTENING}{server.address} pid {os.getpid()}", flush=True))
     return 0

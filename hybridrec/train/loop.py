@@ -33,6 +33,7 @@ from hybridrec.train.best import BestKeeper
 from hybridrec.train.expiry import ExpirySchedule
 from hybridrec.train.stream import StreamTraining
 from hybridrec.train.local_pipeline import LocalPipeline
+from hybridrec.train.divergence import checked_loss
 from hybridrec.train.reporting import Reporter, json_text
 from hybridrec.train.threads import ThreadSplit, thread_split
 
@@ -351,7 +352,7 @@ def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = 
             streaming.start(progress, fresh=state is None, lockstep=dense.lockstep)
         expiry = ExpirySchedule(tables, placement)
         checkpoint_timer = CheckpointTimer(cfg.train.checkpoint_every_s)
-        loss_fn = torch.nn.BCEWithLogitsLoss()
+        loss_fn = checked_loss(torch.nn.BCEWithLogitsLoss(), cfg, lambda: progress["step"] + 1)
         max_steps = cfg.train.max_steps
         done = max_steps is not None and progress["step"] >= max_steps
         lockstep = dense.lockstep  # trainers that do not step together run no collective mid-run

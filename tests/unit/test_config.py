@@ -142,3 +142,9 @@ def test_a_stream_is_the_training_data_and_its_keys_are_checked_by_name():
         parse_config({"data": {"stream": stream}})
     with pytest.raises(ConfigError, match=r"expire_after: must be \{steps: N\} or \{seconds: S\}"):
         parse_config({"embedding": {"default": {"expire_after": {"hours": 3}}}})
+
+
+def test_an_empty_config_is_refused_naming_what_to_give(tmp_path):
+    for text in ("", "# only a comment\n"):
+        message = error_of(write(tmp_path, text), [])
+        assert "the config is empty" in message and "--set KEY=VALUE" in message
