@@ -82,11 +82,21 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m hybridrec.serving.server BUNDLE --port P ...
+def run(argv: list[str], prog: str = "hybridrec serve") -> int:
+    """`hybridrec serve` from its arguments: the entry a launcher's server role runs in a process of
+    its own (hybridrec.parallel.roles: `entry`, ready once it prints its "hybridrec serve:" line)."""
     import argparse
 
     from hybridrec.serving.options import add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m hybridrec.serving.server")
+    parser = argparse.ArgumentParser(prog=prog)
     add_serve_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    try:
+        return main(parser.parse_args(argv))
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # python -m hybridrec.serving.server BUNDLE --port P ...
+    sys.exit(run(sys.argv[1:], "python -m hybridrec.serving.server"))
