@@ -23,7 +23,7 @@ from hybridrec.data.stream.backends.files import file_sample_ids
 from hybridrec.data.synthetic import write_synthetic
 
 ROWS, FILES, BATCH = 900, 5, 128
-KILLS = 3  # SIGKILLs per test, each at a random moment of a run
+KILLS = 2  # SIGKILLs per test, each at a random moment of a run
 RUN_SECONDS = 180  # bound on one run of `hybridrec train`
 
 
