@@ -48,7 +48,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     if cfg.strategy.distributed:
         return _train_distributed(args, cfg)
-    from hybridrec.train.loop import train
+    from hybridrec.train.trainer import train
 
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     keys = [k for k in result if k != "best_auc" and k.endswith(("auc", "logloss", "ne"))]
@@ -79,7 +79,7 @@ def _train_distributed(args, cfg) -> int:
 def cmd_eval(args) -> int:
     from hybridrec.config import load_config
     from hybridrec.errors import UserError
-    from hybridrec.train.loop import evaluate_checkpoint
+    from hybridrec.train.evaluation import evaluate_checkpoint
     from hybridrec.train.reporting import json_text
 
     if args.config is None and args.set:
@@ -90,7 +90,7 @@ def cmd_eval(args) -> int:
     if args.predictions is not None:
         from hybridrec.serving.predict_file import checkpoint_predictions
         from hybridrec.train.checkpoint import config_for_checkpoint
-        from hybridrec.train.loop import checkpoint_directory
+        from hybridrec.train.evaluation import checkpoint_directory
 
         cfg = config_for_checkpoint(checkpoint_directory(args.checkpoint), cfg, args.config or "the config")
         written = checkpoint_predictions(cfg, args.checkpoint, args.predictions)

@@ -540,7 +540,7 @@ class StrategyConfig(_Section):
         from hybridrec.axes import resolve
 
         for axis, value in resolve(self.preset, {axis: getattr(self, axis) for axis in _AXES}).items():
-            object.__setattr__(self, axis, value)
+            object.__setattr__(self, str(axis), value)  # the axis's enum member (a str)
         return self
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ import yaml
 import zmq
 
 from hybridrec.config import parse_config
-from hybridrec.train.loop import load_local
+from hybridrec.train.evaluation import load_local
 
 JOB_SECONDS = 300  # bound on one job here (cold numba caches compile the kernels in each role first)
 

@@ -201,7 +201,8 @@ def input_bytes(config: str, batch: int, trainers: int, overrides: list[str]) ->
     from hybridrec.config import load_config
     from hybridrec.job.sources import build_sources
     from hybridrec.job.tables import job_tables
-    from hybridrec.strategy.placement.field_sharded import assign_fields, input_bytes_of
+    from hybridrec.des.fields import input_bytes_of
+    from hybridrec.strategy.placement.field_sharded import assign_fields
 
     cfg = load_config(config, [*overrides, f"data.batch_size={batch}"])
     tables = job_tables(cfg)

@@ -155,7 +155,7 @@ def change_rows(placement, fraction: float, rng: np.random.Generator) -> None:
 
 def publishing_figures(args, cfg, root: Path, body: Path) -> dict:
     """Delta against full bytes at 1% changed; freshness and failed requests while versions swap."""
-    from hybridrec.train.loop import load_local
+    from hybridrec.train.evaluation import load_local
     from hybridrec.train.publisher import DeltaPublisher
 
     model, placement, progress = load_local(cfg, cfg.train.output_dir)
@@ -212,7 +212,7 @@ def placement_tables(cfg):
 def run(args) -> dict:
     from hybridrec.data.synthetic import SyntheticConfig, write_synthetic
     from hybridrec.serving.export import export
-    from hybridrec.train.loop import train
+    from hybridrec.train.trainer import train
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hybridrec-bench-serve-"))
     root.mkdir(parents=True, exist_ok=True)

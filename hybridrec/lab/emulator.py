@@ -4,7 +4,7 @@ the reads and updates interleaved as a seeded schedule says; deterministic, so a
 What is the job's and what is the emulator's: the data readers (each worker reads rank w of W
 of the training rows, as a trainer does), the stores, kernels and optimizers of the local
 placement, the dense model and its optimizer, the loop's forward and backward
-(hybridrec.train.loop.forward_backward) and evaluation are the engine's, built from the config
+(hybridrec.train.step.forward_backward) and evaluation are the engine's, built from the config
 as `hybridrec train` builds them (seeded the same way, so one worker under sync trains exactly
 the local strategy's model). The emulator decides only what the distributed system leaves to
 chance: in which order the workers step, and which of the updates computed so far each read
@@ -39,10 +39,12 @@ from hybridrec.lab.disciplines import Discipline
 from hybridrec.lab.embeddings import SharedEmbeddings
 from hybridrec.lab.het_caches import HetCaches
 from hybridrec.lab.schedule import Schedule
-from hybridrec.persia.pipeline import ReadyBatch
+from hybridrec.embedding.stream import ReadyBatch
 from hybridrec.strategy.placement.local import LocalPlacement
 from hybridrec.strategy.world import World
-from hybridrec.train.loop import dense_model, evaluate, forward_backward, seed_everything
+from hybridrec.train.evaluation import evaluate
+from hybridrec.train.setup import dense_model, seed_everything
+from hybridrec.train.step import forward_backward
 from hybridrec.train.threads import thread_split
 
 

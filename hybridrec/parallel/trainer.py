@@ -1,5 +1,5 @@
 """One trainer process of a distributed job, as torchrun starts it: joins the process group
-(gloo on CPU, NCCL on GPU) and runs the one training loop (hybridrec.train.loop) as its rank.
+(gloo on CPU, NCCL on GPU) and runs the one training loop (hybridrec.train.trainer) as its rank.
 
 Each rank reads its share of the training data; the strategy in the config decides where the
 embeddings live (the addresses given here) and how the dense parameters are synchronised. A
@@ -28,7 +28,7 @@ from hybridrec.axes import server_roles
 from hybridrec.comm.transport import check_addresses
 from hybridrec.config import load_config
 from hybridrec.train.checkpoint import latest_checkpoint
-from hybridrec.train.loop import train
+from hybridrec.train.trainer import train
 
 
 def join_process_group(backend: str) -> None:

@@ -20,43 +20,17 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import put_unless_stopped
+from hybridrec.embedding.stream import ReadyBatch, update_counts, wait_for_updates
 from hybridrec.persia.staleness import Timeline
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
 _END = object()
-
-
-def update_counts(reply: dict) -> tuple[int, int, int]:
-    """(lost batches, dropped updates, unacknowledged updates) of one update's reply."""
-    return int(bool(reply.get("lost"))), int(reply.get("dropped", 0)), int(bool(reply.get("unacknowledged")))
-
-
-def wait_for_updates(cond: threading.Condition, done: Callable[[], bool], stop: threading.Event,
-                     timeout: float | None, raise_if_failed: Callable[[], None], state: str) -> None:
-    """A stream's `drain`: wait under `cond` until `done()` (every update in flight is through) or
-    the stream stopped; then raise the stream's failure if any, or TimeoutError after `timeout`."""
-    with cond:
-        ok = cond.wait_for(lambda: done() or stop.is_set(), timeout)
-    raise_if_failed()
-    if not ok:
-        raise TimeoutError(f"embedding updates still {state} after {timeout}s")
-
-
-@dataclass
-class ReadyBatch:
-    """A batch with its embeddings, as the dense step gets it."""
-
-    index: int  # position in this trainer's stream of batches (skipped ones count)
-    batch: Batch
-    looked: object  # what the placement's lookup returned
-    staleness: int
 
 
 class EmbeddingPipeline:
@@ -90,6 +64,7 @@ class EmbeddingPipeline:
         self._error: BaseException | None = None
         self.staleness: list[int] = []
         self.timeline = Timeline()  # when each lookup and update was sent and answered (persia.staleness)
+        self.figures: dict = {}
         self.lost_batches = 0  # pulls or pushes of batches the embedding worker no longer held
         self.dropped_updates = 0  # updates of keys the PS no longer held (evicted, not admitted)
         self.unacknowledged_updates = 0  # pushes a PS shard died under (not retried, maybe not applied)

@@ -19,7 +19,7 @@ from hybridrec.embedding.checkpoint_format import read as read_store_checkpoint
 from hybridrec.job.tables import job_tables
 from hybridrec.strategy.placement.checkpoint_layout import table_directories
 from hybridrec.train.checkpoint import config_for_checkpoint, model_state, read_progress
-from hybridrec.train.loop import checkpoint_directory
+from hybridrec.train.evaluation import checkpoint_directory
 
 
 def checkpoint_rows(directories: list[Path], dim: int) -> tuple[np.ndarray, np.ndarray]:

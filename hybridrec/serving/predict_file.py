@@ -135,7 +135,8 @@ def checkpoint_predictions(cfg, checkpoint, out) -> dict:
     import torch
 
     from hybridrec.job.sources import build_sources
-    from hybridrec.train.loop import load_local, logits_of
+    from hybridrec.train.evaluation import load_local
+    from hybridrec.train.step import logits_of
 
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     model, placement, _ = load_local(cfg, checkpoint)

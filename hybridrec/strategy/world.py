@@ -16,6 +16,7 @@ import torch.distributed as dist
 class World:
     rank: int = 0
     size: int = 1
+    in_process: bool = False  # answer every collective in process, even inside a process group
 
     @staticmethod
     def current() -> "World":
@@ -24,9 +25,13 @@ class World:
             return World(dist.get_rank(), dist.get_world_size())
         return World()
 
+    def alone(self) -> "World":
+        """This trainer as a world of one, even inside a process group: collectives answered in process."""
+        return World(0, 1, in_process=True)
+
     @property
     def grouped(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+        return not self.in_process and dist.is_available() and dist.is_initialized()
 
     @property
     def leader(self) -> bool:

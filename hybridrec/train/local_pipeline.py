@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import PrefetchLoader, put_unless_stopped
 from hybridrec.errors import UserError
-from hybridrec.persia.pipeline import ReadyBatch, wait_for_updates
+from hybridrec.embedding.stream import ReadyBatch, wait_for_updates
 
 _POLL = 0.1  # seconds between looks at the stop flag while waiting
 _END = object()

@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 
 from hybridrec.config import parse_config
 from hybridrec.embedding import EmbeddingStore
-from hybridrec.train import loop
+from hybridrec.train import step as train_step
+from hybridrec.train.trainer import train
 from hybridrec.train.checkpoint import latest_checkpoint
 
 torch.set_num_threads(1)
@@ -95,7 +96,7 @@ def _log_collectives(log: list) -> None:
 def training_logits():
     """The logits of every training step the loop takes meanwhile, in a list."""
     logits: list = []
-    original = loop.logits_of
+    original = train_step.logits_of
 
     def capture(module, inputs, batch, device):
         out = original(module, inputs, batch, device)
@@ -103,11 +104,11 @@ def training_logits():
             logits.append(out.detach().cpu().numpy().copy())
         return out
 
-    loop.logits_of = capture
+    train_step.logits_of = capture
     try:
         yield logits
     finally:
-        loop.logits_of = original
+        train_step.logits_of = original
 
 
 _last_placement: list = [None]
@@ -141,7 +142,7 @@ def _worker(rank: int, size: int, port: int, jobs: list, out: str) -> None:
             _watch_placement()
             start = len(log)
             with training_logits() as logits:
-                result = loop.train(parse_config(cfg_data), resume=resume, overwrite=not resume)
+                result = train(parse_config(cfg_data), resume=resume, overwrite=not resume)
             held = sorted(table for collection in _last_placement[0].collections.values()
                           for table in collection.stores)
             records.append({"result": result, "logits": logits, "collectives": log[start:], "tables": held})
@@ -167,7 +168,7 @@ def run_des(size: int, jobs: list, tmp: Path) -> list[list[dict]]:
 
 def run_local(cfg_data: dict) -> tuple[dict, list]:
     with training_logits() as logits:
-        return loop.train(parse_config(cfg_data), overwrite=True), logits
+        return train(parse_config(cfg_data), overwrite=True), logits
 
 
 # ---------------------------------------------------------------------------------- comparisons

@@ -232,7 +232,7 @@ def _config(out, consistency, **section):
 
 def _train_in_process(cfg, root):
     from hybridrec.job.tables import job_dense_model, job_tables
-    from hybridrec.train.loop import train
+    from hybridrec.train.trainer import train
 
     tables = job_tables(cfg)
     dense = {n: tuple(p.shape) for n, p in job_dense_model(cfg, tables).named_parameters()}

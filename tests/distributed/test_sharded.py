@@ -34,9 +34,11 @@ from hybridrec.data.synthetic import SyntheticConfig, SyntheticReader
 from hybridrec.embedding.hashing import route, table_route_id
 from hybridrec.job.tables import job_tables
 from hybridrec.strategy import build_strategy
-from hybridrec.persia.pipeline import ReadyBatch
+from hybridrec.strategy.placement.sharded import ShardedPlacement
+from hybridrec.embedding.stream import ReadyBatch
 from hybridrec.strategy.world import World
-from hybridrec.train.loop import dense_model, forward_backward, seed_everything
+from hybridrec.train.setup import dense_model, seed_everything
+from hybridrec.train.step import forward_backward
 
 torch.set_num_threads(1)
 
@@ -83,7 +85,7 @@ def train_steps(cfg_data: dict, world: World, batches: list, on_step=None, finis
     strategy = build_strategy(cfg, tables, world)
     placement = strategy.placement
     model = dense_model(cfg, tables)
-    dense = strategy.dense(model)
+    dense = strategy.make_dense(model)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     connection = placement.connect()
     try:
@@ -106,8 +108,9 @@ def train_steps(cfg_data: dict, world: World, batches: list, on_step=None, finis
 
 
 def rows_of(placement) -> dict:
-    stores = getattr(placement, "stores", None)
-    if stores is None:  # the local placement
+    if isinstance(placement, ShardedPlacement):
+        stores = placement.shards.stores
+    else:  # the local placement
         stores = {t: s for c in placement.collections.values() for t, s in c.stores.items()}
     out = {}
     for table, store in stores.items():
@@ -186,7 +189,7 @@ def _hot_task(rank: int, size: int, cfg_datas: tuple) -> list:
 
     def hot_step(index, placement):
         snapshots[index]["hot"] = {(pack.tables[t], int(k)): np.array(row)
-                                   for pack, hot in zip(placement.packs, placement.hot_sets)
+                                   for pack, hot in zip(placement.shards.packs, placement.shards.hot_sets)
                                    for t in range(len(pack.tables))
                                    for k, row in zip(hot.table_meta(t).view(np.uint64)[:, 0], hot.table_rows(t))}
         snapshots[index]["hit_rate"] = placement.facts()["hot_hit_rate"]
@@ -299,7 +302,6 @@ def test_packing_on_and_off_give_the_same_outputs_and_gradients():
 
 def test_unique_partition_routes_by_the_global_route_hash_and_packing_cuts_the_operations():
     from hybridrec.picasso import packing as P
-    from hybridrec.strategy.placement.sharded import ShardedPlacement
 
     data = job("adagrad", {**SHARDED, "picasso": {"interleaving": False}})
     data["data"]["synthetic"].update(n_categorical=26, n_multi_hot=0)
@@ -310,7 +312,7 @@ def test_unique_partition_routes_by_the_global_route_hash_and_packing_cuts_the_o
     batch = global_batches(data, 1, steps=1)[0]
     sp = batch.sparse
     for world in (2, 3, 5):
-        for pack, hot in zip(placement.packs, placement.hot_sets):
+        for pack, hot in zip(placement.shards.packs, placement.shards.hot_sets):
             T = len(pack.tables)
             slots, send = np.empty(len(sp.values), np.int64), np.empty(len(sp.values), np.uint64)
             counts = np.empty((world, T), np.int64)

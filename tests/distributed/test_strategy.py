@@ -15,7 +15,7 @@ from hybridrec.axes import AXES, PRESETS
 from hybridrec.cli import main
 from hybridrec.config import ConfigError, parse_config
 from hybridrec.parallel.launch import launch
-from hybridrec.train.loop import train
+from hybridrec.train.trainer import train
 
 torch.set_num_threads(1)
 
@@ -63,7 +63,9 @@ def test_a_preset_is_a_default_that_each_axis_may_override():
     ({"preset": "persai"}, "strategy.preset: unknown preset 'persai' (did you mean 'persia'?)"),
     ({"consistency": "bounde"}, "strategy.consistency: unknown value 'bounde' (did you mean 'bounded'?)"),
     ({"dense": "all_reduce"}, "strategy.dense: unknown value 'all_reduce' (did you mean 'allreduce'?)"),
-    ({"consistency": "het"}, "het overlaps lookups with training in background threads, which needs a remote"),
+    ({"consistency": "het"}, "het reads and writes its cached rows on the PS servers directly, with the servers' "
+                             "per-embedding clocks; it needs the PS servers' addresses and clients (ps_endpoints), "
+                             "which placement local does not offer; allowed with placement ps"),
     ({"placement": "sharded", "consistency": "bounded"}, "the sharded placement's AllToAll is synchronous"),
     ({"consistency": "hot_cold"}, "hot_cold keeps a copy of the hottest rows on every trainer"),
     ({"dense": "ps_async"}, "ps_async keeps the dense parameters on the PS servers"),

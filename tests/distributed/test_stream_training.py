@@ -114,13 +114,13 @@ def _lockstep_worker(rank: int, size: int, port: int, cfg: dict) -> None:
     import torch.distributed as dist
 
     from hybridrec.config import parse_config
-    from hybridrec.train import loop
+    from hybridrec.train.trainer import train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     torch.set_num_threads(1)
     try:
-        result = loop.train(parse_config(cfg), overwrite=True)
+        result = train(parse_config(cfg), overwrite=True)
         Path(cfg["train"]["output_dir"], f"result-{rank}.yaml").write_text(yaml.safe_dump(
             {"step": result["step"], "empty_steps": result["stream"]["stream_empty_steps"]}))
     finally:

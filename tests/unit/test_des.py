@@ -18,9 +18,11 @@ from hybridrec.config import ConfigError, load_config, parse_config
 from hybridrec.job.tables import job_tables
 from hybridrec.models import build_model
 from hybridrec.des.substitution import SUPPORTED, SubstitutedModel
-from hybridrec.strategy.dense.des import ring_bytes
-from hybridrec.strategy.placement.field_sharded import assign_fields, field_groups
-from hybridrec.train.loop import evaluate_checkpoint, train
+from hybridrec.des.fields import field_groups
+from hybridrec.des.partial_sums import ring_bytes
+from hybridrec.strategy.placement.field_sharded import assign_fields
+from hybridrec.train.evaluation import evaluate_checkpoint
+from hybridrec.train.trainer import train
 
 torch.set_num_threads(1)
 

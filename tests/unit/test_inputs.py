@@ -18,7 +18,8 @@ from hybridrec.data.shuffle import ShuffleBuffer
 from hybridrec.data.tabular import DelimitedTextReader, TabularSchema
 from hybridrec.errors import UserError
 from hybridrec.models import HPARAM_HELP, MODELS, model_hparams
-from hybridrec.train.loop import evaluate_checkpoint, train
+from hybridrec.train.evaluation import evaluate_checkpoint
+from hybridrec.train.trainer import train
 
 torch.set_num_threads(1)
 README = Path(__file__).resolve().parents[2] / "README.md"

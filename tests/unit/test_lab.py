@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hybridrec.embedding.kernels import M_CLOCK
 from hybridrec.errors import UserError
 from hybridrec.lab import Schedule, emulate, parse
-from hybridrec.train.loop import train
+from hybridrec.train.trainer import train
 
 ROWS = {"data.synthetic.train_rows": 8192, "data.synthetic.test_rows": 2048, "data.batch_size": 256,
         "train.threads": 1}

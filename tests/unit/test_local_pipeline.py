@@ -11,7 +11,7 @@ import torch
 
 from hybridrec.config import ConfigError
 from hybridrec.strategy.placement.local import LocalPlacement
-from hybridrec.train.loop import train
+from hybridrec.train.trainer import train
 from hybridrec.train.threads import thread_split
 from helpers import small_config, trained_state
 

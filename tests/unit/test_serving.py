@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn", reason="hybridrec serve needs hybridrec[serve]")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A small local DeepFM run, its test rows as a data file and its fp32 / int8 bundles."""
-    from hybridrec.train.loop import train
+    from hybridrec.train.trainer import train
 
     root = tmp_path_factory.mktemp("serving")
     cfg = small_config(root, **{"data.synthetic.train_rows": 12_000, "data.synthetic.test_rows": 3_000})

@@ -13,7 +13,8 @@ import torch
 from hybridrec.config import ConfigError, load_config, parse_config
 from hybridrec.job.tables import embedding_tables
 from hybridrec.train.checkpoint import latest_checkpoint
-from hybridrec.train.loop import evaluate_checkpoint, load_local, train
+from hybridrec.train.evaluation import evaluate_checkpoint, load_local
+from hybridrec.train.trainer import train
 from helpers import small_config, trained_state
 
 torch.set_num_threads(1)

@@ -1,10 +1,12 @@
 """The consistency axis: how stale the embedding rows a step trains on may be.
 
-Each value is a class with `tau` (how many of this trainer's updates may still be in flight when a
-batch is looked up) and `open(placement, batches, skip, limit, prefetch)`, which gives the
-training loop its stream of ready batches: the threaded pipeline when the placement can look up
-off the training thread, the inline stream otherwise. `make_consistency` builds the value named
-by `strategy.consistency` from the module hybridrec.axes names for it.
+Each value is a class built with (cfg, tables, world, services: the placement's typed services,
+hybridrec.strategy.services) with `tau` (how many of this trainer's updates may still be in
+flight when a batch is looked up) and `open(placement, batches, skip, limit, prefetch)`, which
+gives the training loop its stream of ready batches (hybridrec.embedding.stream): the threaded
+pipeline when the placement offers lookups off the training thread, the inline stream otherwise.
+`make_consistency` builds the value named by `strategy.consistency` from the module
+hybridrec.axes names for it.
 """
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ from hybridrec.persia.staleness import StalenessTelemetry
 
 class Consistency:
     tau = 0
-    telemetry: StalenessTelemetry | None = None  # the threaded pipelines' timelines (make_consistency sets it)
+
+    def __init__(self, cfg, tables, world, services):
+        self.cfg, self.tables, self.world, self.services = cfg, tables, world, services
+        self.telemetry = StalenessTelemetry(cfg.train.output_dir)  # the threaded pipelines' timelines
 
     def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
-        if placement.background_lookups:
+        if self.services.background_lookups:
             pipeline = EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit)
-            if self.telemetry is not None:
-                self.telemetry.add(pipeline.timeline)
+            self.telemetry.add(pipeline.timeline)
             return pipeline
         if self.tau:
             raise ValueError(f"tau={self.tau} needs a placement that looks up off the training thread")
@@ -33,14 +37,12 @@ class Consistency:
     def facts(self, world) -> dict:
         """Figures of the whole job for final_metrics.json (every trainer calls this together):
         with threaded pipelines, the staleness of every trainer's lookups (persia.staleness)."""
-        return self.telemetry.facts(world) if self.telemetry is not None else {}
+        return self.telemetry.facts(world)
 
     def close(self) -> None:
         """Release what the consistency holds across epochs (HET's caches and connections)."""
 
 
-def make_consistency(name: str, cfg) -> Consistency:
+def make_consistency(name: str, cfg, tables, world, services) -> Consistency:
     module = importlib.import_module(f"hybridrec.strategy.{AXES['consistency'][name].module}")
-    consistency = module.CONSISTENCY(cfg)
-    consistency.telemetry = StalenessTelemetry(cfg.train.output_dir)
-    return consistency
+    return module.CONSISTENCY(cfg, tables, world, services)

@@ -55,13 +55,13 @@ class AspPipeline(EmbeddingPipeline):
 
 
 class Asp(Consistency):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tables, world, services):
+        super().__init__(cfg, tables, world, services)
+        services.need_background_lookups("consistency asp")  # its lookups run off the training thread
         self.read_ahead = cfg.strategy.asp.read_ahead
         self.tau = self.read_ahead
 
     def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
-        if not placement.background_lookups:
-            raise ValueError("asp looks up off the training thread, which needs a remote placement (ps)")
         return AspPipeline(batches, placement.connect, self.read_ahead, skip=skip, limit=limit)
 
 

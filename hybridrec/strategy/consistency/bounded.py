@@ -6,7 +6,8 @@ from hybridrec.strategy.consistency import Consistency
 
 
 class Bounded(Consistency):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tables, world, services):
+        super().__init__(cfg, tables, world, services)
         self.tau = cfg.strategy.tau
 
 

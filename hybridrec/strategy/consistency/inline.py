@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 
 from hybridrec.data.batch import Batch
 from hybridrec.data.loader import PrefetchLoader
-from hybridrec.persia.pipeline import ReadyBatch, update_counts
+from hybridrec.embedding.stream import ReadyBatch, update_counts
 
 
 class InlineStream:
@@ -29,6 +29,7 @@ class InlineStream:
         self._loader = PrefetchLoader(batches, depth=prefetch) if prefetch else None
         self._skip, self._limit = skip, limit
         self.staleness: list[int] = []
+        self.figures: dict = {}
         self.counts = {"lost_batches": 0, "dropped_updates": 0, "unacknowledged_updates": 0}
 
     def __iter__(self) -> Iterator[ReadyBatch]:

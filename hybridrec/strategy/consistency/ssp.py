@@ -18,8 +18,8 @@ import threading
 from typing import Callable, Iterable
 
 from hybridrec.data.batch import Batch
-from hybridrec.ps.client import PSClient
 from hybridrec.het.clocks import WorkerClockClient
+from hybridrec.ps.client import PSClient
 from hybridrec.strategy.consistency import Consistency
 from hybridrec.persia.pipeline import EmbeddingPipeline
 
@@ -37,8 +37,13 @@ class _Clocked:
     def __init__(self, owner: "Ssp", connection, clocks: WorkerClockClient, closing: threading.Event):
         self._owner, self._connection, self._clocks, self._closing = owner, connection, clocks, closing
 
-    def __getattr__(self, name):  # bytes_sent, bytes_received
-        return getattr(self._connection, name)
+    @property
+    def bytes_sent(self) -> int:
+        return self._connection.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._connection.bytes_received
 
     def prepare(self, batch):
         return self._connection.prepare(batch)
@@ -92,7 +97,10 @@ class SspPipeline(EmbeddingPipeline):
 
 
 class Ssp(Consistency):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tables, world, services):
+        super().__init__(cfg, tables, world, services)
+        services.need_background_lookups("consistency ssp")  # the pipeline's feeder waits for the clocks
+        self.servers = services.ps_endpoints("consistency ssp")  # shard 0 keeps the worker clocks
         self.staleness = cfg.strategy.ssp.staleness
         self.tau = self.staleness
         self.lookups = 0  # this trainer's training lookups so far (the feeder's)
@@ -100,19 +108,15 @@ class Ssp(Consistency):
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
-        if not placement.background_lookups or not hasattr(placement, "ps_addresses"):
-            raise ValueError("ssp keeps its worker clocks on the PS servers: it needs the ps placement")
-        world = placement.world
+        world = self.world
 
         def connect(closing: threading.Event):
-            client = PSClient(placement.ps_addresses[:1], timeout=placement.cfg.strategy.request_timeout,
-                              retries=placement.cfg.strategy.retries)
+            client = self.servers.clock_client()
             clocks = _ClockClient(client, world.rank, world.size, self.generation)
             return _Clocked(self, placement.connect(), clocks, closing)
 
         pipeline = SspPipeline(batches, connect, self.staleness, skip=skip, limit=limit, on_skip=self._took_back)
-        if self.telemetry is not None:
-            self.telemetry.add(pipeline.timeline)
+        self.telemetry.add(pipeline.timeline)
         return pipeline
 
     def _took_back(self) -> None:

@@ -6,8 +6,7 @@ from hybridrec.strategy.consistency import Consistency
 
 
 class Sync(Consistency):
-    def __init__(self, cfg=None):
-        self.tau = 0
+    tau = 0
 
 
 CONSISTENCY = Sync

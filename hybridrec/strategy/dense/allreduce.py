@@ -15,7 +15,7 @@ from hybridrec.strategy.dense import DenseSync, dense_optimizer, model_device
 class AllReduceDense(DenseSync):
     lockstep = True
 
-    def __init__(self, model: torch.nn.Module, cfg, world, placement=None):
+    def __init__(self, model: torch.nn.Module, cfg, world, services=None):
         self.model = self.module = model
         self.hook = None
         if world.grouped:
@@ -27,6 +27,10 @@ class AllReduceDense(DenseSync):
             if self.hook is not None:
                 self.hook.register(self.module)
         self.optimizer = dense_optimizer(cfg, model.parameters())
+
+    def accumulating(self):
+        """DDP's `no_sync`: the AllReduce waits for the backward of the batch's last part."""
+        return self.module.no_sync() if self.module is not self.model else super().accumulating()
 
     def facts(self, world) -> dict:
         """With a dense codec: the gradient bytes every trainer put on the wire, and float32's."""

@@ -1,6 +1,7 @@
 """The des dense sync (DES, Tencent 2019, Algorithm 1): the model's weight-rich first layers are
-replaced by per-trainer sub-operators on the trainer's own fields (hybridrec.des.substitution),
-whose partial results are summed by one AllReduce per step; everything after the sums is
+replaced by per-trainer sub-operators on the trainer's own fields (hybridrec.des.substitution;
+the fields are the field_sharded placement's `fields` service), whose partial results are summed
+by one AllReduce per step (hybridrec.des.partial_sums); everything after the sums is
 replicated and runs on every trainer on the whole global batch.
 
 Where the batch is split: nowhere. Every trainer reads the whole global batch (the
@@ -26,50 +27,19 @@ trainer's block, so a DES checkpoint is a one-process checkpoint (`hybridrec eva
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from hybridrec.config import ConfigError
+from hybridrec.des.partial_sums import SumOverTrainers, ring_bytes
 from hybridrec.des.substitution import SubstitutedModel
 from hybridrec.strategy.dense import DenseSync, dense_optimizer
-
-
-def ring_bytes(payload: int, elsize: int, rank: int, size: int) -> tuple[int, int]:
-    """(sent, received) bytes of trainer `rank` in a ring AllReduce of `payload` bytes among `size`
-    trainers: reduce-scatter then all-gather, each N-1 steps of one chunk (chunks of whole elements)."""
-    if size == 1:
-        return 0, 0
-    elements = payload // elsize
-    chunk = [(elements // size + (i < elements % size)) * elsize for i in range(size)]
-    sent = 2 * payload - chunk[(rank + 1) % size] - chunk[(rank + 2) % size]
-    received = 2 * payload - chunk[rank % size] - chunk[(rank + 1) % size]
-    return sent, received
-
-
-class _SumOverTrainers(torch.autograd.Function):
-    """Forward: every trainer's partial results summed (one AllReduce). Backward: the gradient as
-    it is (no communication): every trainer computes the same loss from the same sum."""
-
-    @staticmethod
-    def forward(ctx, partial):
-        summed = partial.contiguous().clone()
-        dist.all_reduce(summed)
-        return summed
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class DESDense(DenseSync):
     lockstep = True
 
-    def __init__(self, model: torch.nn.Module, cfg, world, placement):
-        fields = getattr(placement, "fields", None)
-        if fields is None:
-            raise ConfigError("strategy.dense des needs the field_sharded placement (each trainer's fields)")
-        self.world, self.wire = world, placement.wire
-        self.placement = placement
-        self.model = self.module = SubstitutedModel(model, fields, reduce=self._reduce)
+    def __init__(self, model: torch.nn.Module, cfg, world, services):
+        self.share = services.field_map("dense des")  # this trainer's fields, its wire and input counts
+        self.world, self.wire = world, self.share.wire
+        self.model = self.module = SubstitutedModel(model, self.share.fields, reduce=self._reduce)
         self.optimizer = dense_optimizer(cfg, self.model.parameters())
         self.steps = 0
 
@@ -81,7 +51,7 @@ class DESDense(DenseSync):
             self.wire.sent += ring_bytes(payload, partial.element_size(), self.world.rank, self.world.size)[0]
             self.wire.payload += payload
             self.wire.collectives += 1
-        return _SumOverTrainers.apply(partial)
+        return SumOverTrainers.apply(partial)
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -109,8 +79,8 @@ class DESDense(DenseSync):
         step the AllReduce payload, the wire bytes every trainer sent (summed: each byte once) and
         the input bytes the trainers used, and the embedding rows each trainer holds."""
         mine = {"sent": self.wire.sent, "payload": self.wire.payload, "collectives": self.wire.collectives,
-                "input": self.placement.input_bytes, "input_batches": self.placement.input_batches,
-                "steps": self.steps, "rows": self.placement.rows()}
+                "input": self.share.input_bytes, "input_batches": self.share.input_batches,
+                "steps": self.steps, "rows": self.share.rows()}
         every = world.gather(mine)
         steps = max(every[0]["steps"], 1)
         return {"des": {

@@ -8,8 +8,8 @@ from hybridrec.strategy.dense.groups import GroupsDense
 
 
 class ElasticAveragingDense(GroupsDense):
-    def __init__(self, model, cfg, world, placement):
-        super().__init__(model, cfg, world, placement, trainers_per_group=1)
+    def __init__(self, model, cfg, world, services):
+        super().__init__(model, cfg, world, services, trainers_per_group=1)
 
 
 DENSE = ElasticAveragingDense

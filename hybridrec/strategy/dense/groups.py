@@ -42,15 +42,16 @@ def group_shape(world_size: int, groups: int) -> int:
 class GroupsDense(DenseSync):
     lockstep = False
 
-    def __init__(self, model: torch.nn.Module, cfg, world, placement, trainers_per_group: int | None = None):
-        ht = cfg.strategy.ht  # the placement is ps (hybridrec.axes refuses the others): it holds the centre
+    def __init__(self, model: torch.nn.Module, cfg, world, services, trainers_per_group: int | None = None):
+        ht = cfg.strategy.ht
+        servers = services.ps_endpoints("dense groups")  # the PS servers hold the centre
         self.model = self.module = model
         self.params = dict(model.named_parameters())
         self.trainers_per_group = t = trainers_per_group or group_shape(world.size, ht.groups)
         self.groups = world.size // t
         self.group, self.member = divmod(world.rank, t)
         self.world, self.period = world, ht.period
-        self.centre_client = placement.dense_client()
+        self.centre_client = servers.client()
         initial = {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
         self._assign(self.centre_client.dense_init(initial, CENTRE_OPTIMIZER))  # every copy starts at the centre
         self.steps, self.synced_at, self.mark = 0, 0, 0
@@ -66,7 +67,7 @@ class GroupsDense(DenseSync):
         self.shared = self._share(world) if t > 1 else None
         self.optimizer = dense_optimizer(cfg, model.parameters())
         if self.member == 0:  # the group's leader keeps its copy near the centre
-            self.sync = ElasticSync(self.params, placement.dense_client(), ht.alpha, self._due).start()
+            self.sync = ElasticSync(self.params, servers.client(), ht.alpha, self._due).start()
 
     def _share(self, world) -> SharedCopy:
         """The group's copy in shared memory, made by its leader, mapped by every member."""

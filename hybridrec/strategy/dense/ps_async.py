@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridrec.config import ConfigError
 from hybridrec.persia.staleness import DENSE_TRACE_FILE, StalenessTelemetry, Timeline
 from hybridrec.strategy.dense import DenseSync
 
@@ -16,12 +15,9 @@ from hybridrec.strategy.dense import DenseSync
 class ParameterServerDense(DenseSync):
     lockstep = False
 
-    def __init__(self, model: torch.nn.Module, cfg, world, placement):
-        ps = getattr(placement, "ps", None)
-        if ps is None:
-            raise ConfigError("strategy.dense ps_async needs PS servers (placement ps)")
+    def __init__(self, model: torch.nn.Module, cfg, world, services):
         self.model = self.module = model
-        self.ps = ps
+        self.ps = ps = services.ps_endpoints("dense ps_async").client()  # of its own, for the training thread
         self.params = dict(model.named_parameters())
         self.timeline = Timeline()  # when each pull and push was sent and answered
         self.telemetry = StalenessTelemetry(cfg.train.output_dir, "dense_staleness_cross", DENSE_TRACE_FILE)
@@ -60,6 +56,9 @@ class ParameterServerDense(DenseSync):
 
     def load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+
+    def close(self) -> None:
+        self.ps.close()
 
 
 DENSE = ParameterServerDense

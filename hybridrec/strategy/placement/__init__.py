@@ -7,12 +7,15 @@ A placement gives the training loop three things:
               (apply the gradients; returns counts {lost, dropped, unacknowledged}), byte counters
               and `close()`;
   inputs()    in the training thread: the dense model's `EmbeddingInputs` for a looked-up batch;
-  save/load   the embedding tables into / from a checkpoint's `embeddings` directory.
+  save/load   the embedding tables into / from a checkpoint's `embeddings` directory;
+  services    what it offers the other axes (hybridrec.strategy.services, declared in
+              hybridrec.axes): e.g. `background_lookups` (lookups may run in another thread
+              than the training step: remote rows yes, the local fused lookup runs inside
+              autograd, no), `whole_batches` (every trainer reads every row, each computing a part
+              of every sample: DES's field_sharded; the loop then deals the data as to one
+              trainer and every trainer scores every test row), the PS servers' endpoints;
 and members with defaults in `PlacementDefaults`, which a placement overrides where it differs:
-`background_lookups` (lookups may run in another thread than the training step: remote rows
-yes, the local fused lookup runs inside autograd, no); `whole_batches` (every trainer reads
-every row, each computing a part of every sample: DES's field_sharded; the loop then deals the
-data as to one trainer and every trainer scores every test row); `tables_on_trainers` (the
+`tables_on_trainers` (the
 trainers hold the tables: before the leader writes a checkpoint every trainer calls
 `stage(checkpoint_root, step)` to write its own tables, which the leader's `save` gathers, and on
 resume every trainer `load`s its own); `micro_batches(looked, batch)` (the parts a step's
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridrec.axes import AXES
+from hybridrec.strategy.services import Services
 
 
 class Connection(Protocol):
@@ -45,8 +49,7 @@ class Connection(Protocol):
 
 
 class Placement(Protocol):
-    background_lookups: bool
-    whole_batches: bool
+    services: Services
     tables_on_trainers: bool
 
     def connect(self) -> Connection: ...
@@ -71,8 +74,7 @@ class Placement(Protocol):
 class PlacementDefaults:
     """The optional members of `Placement` as most placements have them."""
 
-    background_lookups = False
-    whole_batches = False
+    services = Services()  # none
     tables_on_trainers = False
 
     def micro_batches(self, looked, batch) -> list:

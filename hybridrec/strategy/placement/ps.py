@@ -8,15 +8,19 @@ Two routes to them, chosen by whether the job has embedding workers:
   (each table's keys deduplicated once), looks the unique keys up on the PS shards, pools them
   here, and pushes one summed gradient per unique key.
 Checkpoints are written by the servers themselves into the checkpoint's `embeddings` directory.
+It offers the other axes the PS servers (`ps`: their endpoints and clients, for HET's cache, SSP's
+clocks and the dense parameters of ps_async and HT), lookups off the training thread and a wire
+the codecs encode.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from hybridrec.ps.client import PSClient
 from hybridrec.embedding.inputs import EmbeddingInputs, Pulled
-from hybridrec.strategy.placement import PlacementDefaults
 from hybridrec.persia.embedding_worker_client import EmbeddingWorkerClient
+from hybridrec.ps.client import PSClient
+from hybridrec.strategy.placement import PlacementDefaults
+from hybridrec.strategy.services import PSEndpoints, Services
 
 
 class _Connection:
@@ -77,23 +81,18 @@ class _Direct(_Connection):
 
 
 class PSPlacement(PlacementDefaults):
-    background_lookups = True
-
     def __init__(self, cfg, tables, world, endpoints):
         s = cfg.strategy
         self.cfg, self.tables, self.world = cfg, tables, world
-        self.ps_addresses = list(endpoints["ps"])
-        self.embedding_workers = list(endpoints.get("embedding_workers") or [])
-        self._options = dict(timeout=s.request_timeout, retries=s.retries, value_codec=s.resolved["value_codec"])
-        self.ps = PSClient(self.ps_addresses, **self._options)  # checkpoints and dense parameters
-
-    @property
-    def route(self) -> str:
-        return "embedding_workers" if self.embedding_workers else "direct"
+        self.servers = PSEndpoints(tuple(endpoints["ps"]), tuple(endpoints.get("embedding_workers") or ()),
+                                   s.request_timeout, s.retries, s.resolved["value_codec"])
+        self.services = Services(ps=self.servers, background_lookups=True, wire=True)
+        self.embedding_workers = list(self.servers.embedding_workers)
+        self.ps = self.servers.client()  # checkpoints
 
     def connect(self):
         if not self.embedding_workers:
-            return _Direct(PSClient(self.ps_addresses, **self._options), self.tables)
+            return _Direct(self.servers.client(), self.tables)
         s = self.cfg.strategy
         # an embedding worker's answer may wait for its own PS retries: give it that long
         return _ThroughEmbeddingWorker(EmbeddingWorkerClient(
@@ -103,10 +102,6 @@ class PSPlacement(PlacementDefaults):
     def inputs(self, looked: Pulled, batch, requires_grad: bool) -> EmbeddingInputs:
         return EmbeddingInputs.from_pulled(looked, lambda: self.tables.layout(batch.sparse), self.tables.deep_dim,
                                            requires_grad)
-
-    def dense_client(self) -> PSClient:
-        """A PS client of its own for dense parameters, for a thread other than the loop's."""
-        return PSClient(self.ps_addresses, **self._options)
 
     def save(self, directory: Path) -> None:
         self.ps.checkpoint(directory)
@@ -118,7 +113,7 @@ class PSPlacement(PlacementDefaults):
         return self.ps.expire(step, now) if self.world.leader else 0  # the leader sweeps the servers
 
     def facts(self) -> dict:
-        return {"route": self.route}
+        return {"route": self.servers.route}
 
     def close(self) -> None:
         self.ps.close()

@@ -1,0 +1,148 @@
+"""HET's stream of ready batches (Algorithm 1 in the training thread): Het.Read of a batch's
+distinct keys, the step, Het.Write of its gradients (into the cache; nothing is sent).
+
+A loader thread reads the next batches and deduplicates their keys (the batch layout) while the
+current one trains, so each step starts with its keys known and sends one request per PS shard
+(two when a clock check failed). The cache lives as long as the job (`HetTrainer`): `drain`
+(before every evaluation and checkpoint, and at the end of each epoch) flushes it, writing every
+accumulated gradient back, so a checkpoint holds every update and nothing is lost. A trainer that
+dies loses only what its cache held unflushed; the restarted group resumes from the last
+checkpoint, which has it all.
+
+`table_specs` sizes each table's cache from the config's strategy.het; `combine` makes the job's
+cache figures from every trainer's counts: hit rate (distinct keys read from the cache without a
+fetch, over all reads), misses, invalidations (entries that failed a bound and synchronised),
+evictions, write-backs, payload bytes of vectors and of clocks, embedding bytes per sample, and
+the largest clock gap the servers saw between two trainers' copies, with the histogram of every
+gap (`clock_gaps`).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from hybridrec.data.loader import PrefetchLoader
+from hybridrec.embedding.inputs import Pulled
+from hybridrec.embedding.optim import P_LR
+from hybridrec.embedding.stream import ReadyBatch
+from hybridrec.errors import UserError
+from hybridrec.het.worker import HetWorker, TableSpec
+from hybridrec.metrics import StalenessHistogram
+
+SUMMED = ("reads", "hits", "misses", "invalidations", "evictions", "dirty_evictions", "write_backs", "fetches",
+          "checks", "flushed", "pins", "vector_bytes", "clock_bytes", "dropped_updates", "requests")
+
+
+def table_specs(tables: dict, het) -> dict[str, TableSpec]:
+    """Each table's cache (rows, dim, local learning rate) from the config's strategy.het."""
+    rows = het.cache_rows
+    if isinstance(rows, dict):
+        unknown = sorted(set(rows) - set(tables))
+        if unknown:
+            raise UserError(f"strategy.het.cache_rows names tables {unknown}, which this job does not have; "
+                            f"its tables: {sorted(tables)}")
+    specs = {}
+    for name, table in tables.items():
+        capacity = table.capacity
+        given = rows.get(name) if isinstance(rows, dict) else rows
+        count = given if given is not None else max(1, math.ceil(het.cache_fraction * capacity))
+        specs[name] = TableSpec(int(min(count, capacity)), table.dim, float(table.optimizer.packed()[P_LR]))
+    return specs
+
+
+def combine(every: list[dict]) -> dict:
+    """The job's figures from every trainer's counts."""
+    total = {key: sum(one.get(key, 0) for one in every) for key in SUMMED}
+    samples = sum(one.get("samples", 0) for one in every)
+    wire = total["vector_bytes"] + total["clock_bytes"]
+    return {"cache_hit_rate": total["hits"] / total["reads"] if total["reads"] else None,
+            **{f"cache_{key}": total[key] for key in ("reads", "hits", "misses", "invalidations", "evictions",
+                                                      "dirty_evictions", "write_backs", "fetches", "checks",
+                                                      "flushed", "pins")},
+            "cache_miss_rate": total["misses"] / total["reads"] if total["reads"] else None,
+            "embedding_vector_bytes": total["vector_bytes"], "embedding_clock_bytes": total["clock_bytes"],
+            "embedding_bytes_per_sample": wire / samples if samples else None,
+            "het_requests": total["requests"],
+            "max_clock_gap": max((one.get("max_clock_gap", 0) for one in every), default=0),
+            "clock_gaps": _merged([one["clock_gaps"] for one in every if "clock_gaps" in one])}
+
+
+def _merged(histograms: list[dict]) -> dict:
+    """One histogram of every trainer's (the gaps each trainer's exchanges were answered with)."""
+    total = StalenessHistogram()
+    for histogram in histograms:
+        total.merge(StalenessHistogram.from_dict(histogram))
+    return total.as_dict()
+
+
+class HetTrainer:
+    """A trainer's HET worker for the whole job (its cache lives across epochs) with the samples
+    it trained: `stream()` gives an epoch's stream, `counts()` what `combine` adds up."""
+
+    def __init__(self, worker: HetWorker, layout: Callable):
+        self.worker, self.layout = worker, layout  # layout(sparse features): the batch's keys deduplicated
+        self.samples = 0
+
+    def stream(self, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0) -> "HetStream":
+        return HetStream(self, batches, skip, limit, prefetch)
+
+    def counts(self) -> dict:
+        return {**self.worker.stats(), "samples": self.samples}
+
+
+class HetStream:
+    """The training loop's stream of ready batches under HET (see the module doc)."""
+
+    tau = 0
+
+    def __init__(self, owner: HetTrainer, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
+        self._owner, self._worker = owner, owner.worker
+        self._skip, self._limit = skip, limit
+        layout = owner.layout
+
+        def laid_out():  # runs in the loader thread: the next batches' keys deduplicated ahead
+            for index, batch in enumerate(batches):
+                yield index, batch, (None if index < skip else layout(batch.sparse))
+
+        self._loader = PrefetchLoader(laid_out(), depth=max(prefetch, 1))
+        self._start = self._worker.stats()
+        self.staleness: list[int] = []
+        self.figures: dict = {}
+
+    def __iter__(self) -> Iterator[ReadyBatch]:
+        looked_up = 0
+        for index, batch, layout in self._loader:
+            if index < self._skip:
+                continue
+            if self._limit is not None and looked_up >= self._limit:
+                return
+            read = self._worker.read({table: layout.unique[table] for table in layout.tables()})
+            looked = Pulled("unique", read.values, layout.batch_size, layout.num_features, batch_layout=layout,
+                            handle=read)
+            looked_up += 1
+            self.staleness.append(0)
+            yield ReadyBatch(index, batch, looked, 0)
+
+    def push(self, ready: ReadyBatch, grads: dict) -> None:
+        self._worker.write(ready.looked.handle, grads)
+        self._owner.samples += ready.batch.batch_size
+
+    def skip(self, ready: ReadyBatch) -> None:
+        """`ready` will not be trained: its entries were read, nothing was written."""
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Flush the caches: every accumulated gradient reaches the servers."""
+        self._worker.flush()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        yield  # every read runs in the training thread
+
+    def stats(self) -> dict:
+        now = self._worker.stats()
+        delta = {key: now[key] - self._start[key] for key in ("bytes_sent", "bytes_received", "dropped_updates")}
+        return {"lost_batches": 0, "unacknowledged_updates": 0, **delta}
+
+    def close(self) -> None:
+        self._loader.close()
