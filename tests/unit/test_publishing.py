@@ -72,7 +72,7 @@ def test_a_publisher_killed_at_random_moments_leaves_only_complete_versions(tmp_
     root = tmp_path / "job"
     published = root / "published"
     rng = random.Random(7)
-    for attempt in range(4):
+    for attempt in range(3):
         process = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
                                     f"from helpers import publish_forever; publish_forever({str(root)!r})"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -93,7 +93,7 @@ def test_a_publisher_killed_at_random_moments_leaves_only_complete_versions(tmp_
             assert entry.name.startswith(".") or entry.name in {p.name for p in versions.values()}, entry
         newest = chain.load(versions[max(versions)])  # the chain of the newest reads whole
         assert newest.number == max(versions) and newest.tables
-    assert max(complete_versions(published)) >= 4
+    assert max(complete_versions(published)) >= 3
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("uvicorn"), reason="needs hybridrec[serve]")

@@ -86,9 +86,14 @@ class LocalPlacement(PlacementDefaults):
             for table, store in collection.stores.items():
                 yield side, collection, table, store
 
+    def _directories(self, root: Path):
+        """(collection, table, store, its directory in the local layout under `root`) of every table."""
+        for side, collection, table, store in self._tables():
+            yield collection, table, store, local_directory(root, side, table)
+
     def save(self, directory: Path) -> None:
-        for side, _, table, store in self._tables():
-            store.save(local_directory(directory, side, table))
+        for _, _, store, path in self._directories(directory):
+            store.save(path)
 
     def load(self, directory: Path) -> None:
         """The tables of a checkpoint of any placement: its own layout, or the sharded layout of
