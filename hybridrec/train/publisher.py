@@ -48,6 +48,7 @@ class DeltaPublisher:
         self.since_full = None  # versions since the last full one this process wrote (None: none yet)
         self.trackers: dict[str, ChangeTracker] = {}
         self._last = time.monotonic()
+        self.last_step: int | None = None  # the training step of the last version this process published
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self.published: list[int] = []
@@ -74,6 +75,7 @@ class DeltaPublisher:
         number = self.number
         self.since_full = 0 if full else self.since_full + 1
         self._last = time.monotonic()
+        self.last_step = int(step)
         manifest = {**self.fields, "version": number, "kind": "full" if full else "delta",
                     "base": None if full else number - 1, "step": int(step), "stream_position": stream_position,
                     "created": now()}
@@ -117,4 +119,3 @@ class DeltaPublisher:
             failure, self._failure = self._failure, None
             raise RuntimeError(f"train.publish_dir: writing a version failed: {failure}") from failure
 
-    close = wait

@@ -70,7 +70,7 @@ class Publisher(Protocol):
 
     def due(self, step: int) -> bool: ...
 
-    def publish(self, step: int, dense_state: dict, placement) -> None: ...
+    def publish(self, step: int, dense_state: dict, placement, stream_position=None) -> None: ...
 
 
 @dataclass
@@ -167,6 +167,10 @@ class Trainer:
                                     fresh=state is None, lockstep=dense.lockstep)
             run.expiry = ExpirySchedule(tables, run.strategy.placement)
             run.checkpoint_timer = CheckpointTimer(cfg.train.checkpoint_every_s)
+            if cfg.train.publish_dir is not None:
+                from hybridrec.train.publisher import DeltaPublisher
+
+                run.publisher = DeltaPublisher(cfg, tables)
             if not run.strategy.lockstep and world.leader and (cfg.train.eval_every or cfg.train.checkpoint_every):
                 print(f"trainer: dense {run.strategy.axes['dense']}: train.eval_every / train.checkpoint_every are "
                       "not used; evaluation and checkpoint happen at the end", flush=True)
@@ -284,7 +288,8 @@ class Trainer:
     def publish(self) -> None:
         """The model as it is now to the run's publisher (see the class doc; every update is applied)."""
         run = self.run
-        run.publisher.publish(run.progress.step, run.strategy.dense.state(), run.strategy.placement)
+        run.publisher.publish(run.progress.step, run.strategy.dense.state(), run.strategy.placement,
+                              self.position().get("stream"))
 
     def position(self) -> dict:
         """This trainer's place in its training data, as every checkpoint records it (the caller
@@ -304,6 +309,10 @@ class Trainer:
         # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
         # must start from the state training left, whatever was evaluated in between
         self.checkpoint()
+        if run.publisher is not None:  # the model training ends with is the newest version
+            if run.publisher.last_step != run.progress.step:
+                self.publish()
+            run.publisher.wait()
         if run.best is not None and run.best.validated_step != run.progress.step:  # the last step's, unless done
             self.validate()
         result = {**self._score(run.sources.test), **self._run_facts(), "best_auc": run.sources.best_auc,
@@ -320,7 +329,11 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        self.run.strategy.close()
+        try:
+            if self.run.publisher is not None:
+                self.run.publisher.wait()  # the version being written is finished, not cut off
+        finally:
+            self.run.strategy.close()
 
     def __enter__(self) -> "Trainer":
         return self

@@ -145,3 +145,25 @@ def test_versions_swap_under_concurrent_requests_and_rollback_serves_the_older_s
     finally:
         stop.set()
         server.stop()
+
+
+def test_a_training_job_publishes_versions_ending_with_the_model_it_checkpoints(tmp_path):
+    from helpers import small_config
+
+    from hybridrec.serving.export import export
+    from hybridrec.train.trainer import train
+
+    cfg = small_config(tmp_path, **{"data.synthetic.train_rows": 6_000, "train.publish_dir": str(tmp_path / "pub"),
+                                    "train.publish_every": 3, "train.publish_full_every": 3})
+    result = train(cfg)
+    versions = complete_versions(tmp_path / "pub")
+    kinds = [read_manifest(p)["kind"] for p in versions.values()]
+    assert kinds[:4] == ["full", "delta", "delta", "full"]
+    newest = chain.load(versions[max(versions)])
+    assert newest.step == result["step"]  # the last version is the model training ended with
+    exported = chain.load(export(cfg.train.output_dir, tmp_path / "bundle"))
+    for name, table in exported.tables.items():
+        assert _as_dict(table.keys, table.weights()) == _as_dict(newest.tables[name].keys,
+                                                                  newest.tables[name].weights()), name
+    for key, value in exported.dense_state.items():
+        assert (value == newest.dense_state[key]).all(), key
