@@ -69,6 +69,8 @@ def write(directory, snapshot: Snapshot):
         "step": int(snapshot.step),
         "epoch": int(snapshot.epoch),
         "dropped_updates": int(snapshot.dropped_updates),
+        "expired": int(snapshot.expired),
+        "expiry_marks": [[int(e), int(s), float(t)] for e, s, t in snapshot.expiry_marks],
         "size": int(len(snapshot.rows)),
         "extra": snapshot.extra or {},
         "files": {},
@@ -193,4 +195,5 @@ def read(directory, manifest: dict | None = None) -> Snapshot:
     return Snapshot(config=config, nparts=nparts,
                     step=int(manifest["step"]), epoch=int(manifest["epoch"]),
                     dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
-                    **arrays)
+                    expired=int(manifest.get("expired", 0)),
+                    expiry_marks=[tuple(m) for m in manifest.get("expiry_marks", [])], **arrays)
