@@ -121,3 +121,32 @@ def test_architecture_stands_alone_and_maps_every_package():
         if match:
             mapped.update(re.findall(r"`(\w+)`", match.group(1)))
     assert _packages() <= mapped, f"packages without a row in the map: {sorted(_packages() - mapped)}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation other than '-' and '_' dropped,
+    spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text, anchors = page.read_text(), set()
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            anchors.add(_anchor(line.lstrip("#")))
+    return anchors
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """Links like [x](#section) and [x](other.md#section) in the README and docs/ land on a heading."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.is_file() or anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(REPO)}: ({target}#{anchor})")
+    assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
