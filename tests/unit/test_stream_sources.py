@@ -237,3 +237,31 @@ def test_redis_field_maps_parse_by_the_schema_and_lag_follows_the_event_time(red
     trained, state = _drain(source)
     assert len(trained) == 11 and state["bad_records"] == 0
     assert 55 <= source.lag()["lag_seconds"] < 120  # behind the newest record's ts, not its entry's time
+
+
+def test_data_stream_command_writes_a_file_or_synthetic_rows(redis_server, tmp_path, capsys):
+    import redis
+
+    from hybridrec.cli import main
+
+    source = tmp_path / "rows.tsv"
+    write_synthetic(source, 120, seed=3)
+    assert main(["data", "stream", "--to", redis_server.url("cli"), "--from", str(source)]) == 0
+    assert main(["data", "stream", "--to", redis_server.url("cli"), "--synthetic", "80", "--rate", "100000/s"]) == 0
+    assert redis.Redis(port=redis_server.port).xlen("cli") == 200
+    assert "wrote 80 entries" in capsys.readouterr().out
+    assert main(["data", "stream", "--to", redis_server.url("cli")]) == 2  # neither --from nor --synthetic
+    assert main(["data", "stream", "--to", "redis://127.0.0.1:6379", "--synthetic", "5"]) == 2  # no stream named
+
+
+def test_an_unreachable_redis_is_one_clear_error(capsys):
+    pytest.importorskip("redis")
+    import socket
+
+    from hybridrec.cli import main
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["data", "stream", "--to", f"redis://127.0.0.1:{port}/s", "--synthetic", "5"]) == 2
+    assert f"cannot use Redis at 127.0.0.1:{port}" in capsys.readouterr().err

@@ -88,7 +88,10 @@ def connect(url: str, password_env: str | None = None, timeout: float = 30.0):
         import redis
     except ImportError:
         raise UserError("data.stream.backend redis needs the Redis client: pip install 'hybridrec[stream]'") from None
-    where = parse_url(url)
+    try:
+        where = parse_url(url)
+    except ValueError as exc:
+        raise UserError(f"stream URL: {exc}") from None
     password = where["password"]
     if password_env:
         if password_env not in os.environ:
@@ -98,6 +101,12 @@ def connect(url: str, password_env: str | None = None, timeout: float = 30.0):
                          password=password, socket_timeout=timeout, socket_connect_timeout=timeout)
     for command in ("XREADGROUP", "XREAD", "XRANGE"):
         client.set_response_callback(command, lambda response, **options: response)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as exc:  # unreachable, refused, wrong password: the user's to fix
+        client.close()
+        raise UserError(f"stream URL {url}: cannot use Redis at {where['host']}:{where['port']} "
+                        f"({type(exc).__name__}: {exc})") from None
     return client, where["stream"]
 
 
