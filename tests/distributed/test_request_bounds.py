@@ -47,8 +47,9 @@ def test_two_worker_clock_requests_with_a_huge_world_leave_the_server_answering(
 
 
 @pytest.fixture(scope="module")
-def started_ps():
-    server = serve(tables=TABLES, block=False, dense_params=DENSE, key=None)
+def started_ps(tmp_path_factory):
+    server = serve(tables=TABLES, block=False, dense_params=DENSE, key=None,
+                   checkpoint_root=tmp_path_factory.mktemp("root"))
     yield server
     assert server.stop(timeout=10)
 
@@ -110,8 +111,18 @@ def _keys(n: int) -> np.ndarray:
 def ps_requests(draw):
     """A PS request whose size-giving fields are drawn (arrays stay small: the fields lie)."""
     op = draw(st.sampled_from(["worker_clock", "het_sync", "lookup_many", "push_many", "dense_pull", "push",
-                               "lookup"]))
+                               "lookup", "dense_init", "dense_push", "expire", "checkpoint", "load"]))
     n = draw(numbers)
+    if op in ("checkpoint", "load"):
+        directory = draw(st.one_of(st.text(max_size=40), st.just("a/" * 3000), st.just("x" * 300)))
+        return op, {}, {"directory": directory, "token": draw(st.one_of(st.none(), st.text(max_size=200))),
+                        "wait": draw(st.one_of(numbers, st.floats(allow_nan=True)))}
+    if op in ("dense_init", "dense_push"):
+        shape = [draw(st.integers(0, 5)) for _ in range(draw(st.integers(0, 3)))]
+        arrays = {draw(st.sampled_from(["mlp.weight", "mlp.bias", "other"])): np.ones(shape, np.float32)}
+        return op, arrays, {"optimizer": {"name": "sgd", "lr": draw(st.one_of(numbers, st.floats()))}}
+    if op == "expire":
+        return op, {}, {"step": draw(numbers), "now": draw(st.one_of(numbers, st.floats()))}
     if op == "worker_clock":
         return op, {}, {k: draw(numbers) for k in ("rank", "world", "clock", "generation")}
     if op == "het_sync":
