@@ -302,7 +302,7 @@ class PublishingJob:
         self.tables = job_tables(self.cfg)
         self.placement = LocalPlacement(self.cfg, self.tables, World())
         self.model = job_dense_model(self.cfg, self.tables)
-        self.publisher = DeltaPublisher(self.cfg, self.tables)
+        self.publisher = DeltaPublisher(self.cfg, self.tables, World())
         syn = self.cfg.data.synthetic
         fields = {k: v for k, v in syn.model_dump().items() if k not in ("train_rows", "test_rows")}
         reader = SyntheticReader(SyntheticConfig(**fields), syn.train_rows, 256, seed=self.cfg.seed)

@@ -147,7 +147,7 @@ def serving_figures(args, bundle: Path, bodies: dict) -> dict:
 
 def change_rows(placement, fraction: float, rng: np.random.Generator) -> None:
     """An optimizer step on `fraction` of every table's rows."""
-    for _, (side, store) in placement.stores().items():
+    for store in placement.stores().values():
         keys = store.keys()
         chosen = rng.choice(keys, size=max(1, int(round(fraction * len(keys)))), replace=False)
         store.push(chosen, rng.normal(size=(len(chosen), store.dim)).astype(np.float32))
@@ -156,10 +156,12 @@ def change_rows(placement, fraction: float, rng: np.random.Generator) -> None:
 def publishing_figures(args, cfg, root: Path, body: Path) -> dict:
     """Delta against full bytes at 1% changed; freshness and failed requests while versions swap."""
     from hybridrec.train.evaluation import load_local
+    from hybridrec.job.tables import job_tables
+    from hybridrec.strategy.world import World
     from hybridrec.train.publisher import DeltaPublisher
 
     model, placement, progress = load_local(cfg, cfg.train.output_dir)
-    publisher = DeltaPublisher(cfg, placement_tables(cfg))
+    publisher = DeltaPublisher(cfg, job_tables(cfg), World())
     rng = np.random.default_rng(0)
     state = {"model": model.state_dict()}
     full = publisher.publish(progress["step"], state, placement)
@@ -201,12 +203,6 @@ def publishing_figures(args, cfg, root: Path, body: Path) -> dict:
                    failed_during_swap=background.get("failed", 0) + failed_here,
                    requests_during_swap=background.get("requests", 0), versions_seen=background.get("versions"))
     return figures
-
-
-def placement_tables(cfg):
-    from hybridrec.job.tables import job_tables
-
-    return job_tables(cfg)
 
 
 def run(args) -> dict:

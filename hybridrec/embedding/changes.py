@@ -14,6 +14,7 @@ pass under the lock, so a mark is one consistent instant of the table.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 from numba import njit
@@ -60,7 +61,9 @@ def _scan(r32, r64, live, prev_key, prev_clock, prev_live, stamp_after, changed,
 class ChangeTracker:
     """The marks of one store (see the module docstring)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, store: EmbeddingStore):
+        self.store = weakref.ref(store)  # the store marked; another (a checkpoint loaded) starts over
+        capacity = store.config.capacity
         self.prev_key = np.zeros(capacity, np.uint64)
         self.prev_clock = np.zeros(capacity, np.int32)
         self.prev_live = np.zeros(capacity, np.bool_)
@@ -69,7 +72,7 @@ class ChangeTracker:
     def must_start_over(self, store: EmbeddingStore) -> bool:
         """Whether the next mark must hold every row: there was none, or the store restarted its
         count of lookups (the stamps before and after cannot be compared)."""
-        return self.epoch < 0 or int(store.scalars[K.SC_EPOCH]) < self.epoch
+        return self.epoch < 0 or self.store() is not store or int(store.scalars[K.SC_EPOCH]) < self.epoch
 
     def take(self, store: EmbeddingStore, full: bool = False) -> Changes:
         """Mark the store now: its rows changed since the last mark (every row when `full`, at the
@@ -83,6 +86,10 @@ class ChangeTracker:
                 live[start:start + parts[p, K.PT_SIZE]] = True
             epoch = int(store.scalars[K.SC_EPOCH])
             full = full or self.must_start_over(store)
+            if self.store() is not store:
+                self.store = weakref.ref(store)
+                self.prev_key, self.prev_clock, self.prev_live = (np.zeros(store.config.capacity, a.dtype) for a in
+                                                                  (self.prev_key, self.prev_clock, self.prev_live))
             changed = np.empty(len(live), np.int64)
             vacated = np.empty(len(live), np.uint64)
             n_changed, n_vacated = _scan(store.meta, store.meta.view(np.uint64), live, self.prev_key,

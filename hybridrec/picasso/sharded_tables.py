@@ -162,6 +162,13 @@ class ShardedTables:
         for table, store in self.stores.items():
             store.save(shard / table)
 
+    def written_back(self) -> dict:
+        """{table: store} of this trainer's shard, the hot rows written back to their owners first
+        (every trainer calls it at the same step): what a publisher reads."""
+        if self.hot_policy is not None:
+            self.thread.call(self.hot_policy.write_back)
+        return dict(self.stores)
+
     def save(self, directory: Path) -> None:
         """The leader: move every trainer's staged shard into the checkpoint's `directory`
         (<directory>/shard-<rank>-of-<W>/<table>/, the layout PS servers write)."""

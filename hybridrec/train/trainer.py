@@ -170,7 +170,7 @@ class Trainer:
             if cfg.train.publish_dir is not None:
                 from hybridrec.train.publisher import DeltaPublisher
 
-                run.publisher = DeltaPublisher(cfg, tables)
+                run.publisher = DeltaPublisher(cfg, tables, world)
             if not run.strategy.lockstep and world.leader and (cfg.train.eval_every or cfg.train.checkpoint_every):
                 print(f"trainer: dense {run.strategy.axes['dense']}: train.eval_every / train.checkpoint_every are "
                       "not used; evaluation and checkpoint happen at the end", flush=True)

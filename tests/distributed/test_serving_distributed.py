@@ -9,14 +9,17 @@ import pytest
 import yaml
 from helpers import JOB_SECONDS, PredictionServer, predictions, write_config, write_test_rows
 
+from hybridrec.bundle import chain
+from hybridrec.bundle.format import complete_versions, read_manifest
 from hybridrec.cli import main
+from hybridrec.serving.export import export
 from hybridrec.config import load_config
 
 pytest.importorskip("uvicorn", reason="hybridrec serve needs hybridrec[serve]")
 
 
-def _small_job(tmp_path, strategy: dict):
-    config = write_config(tmp_path)
+def _small_job(tmp_path, strategy: dict, **train):
+    config = write_config(tmp_path, **train)
     data = yaml.safe_load(config.read_text())
     data["data"]["synthetic"].update(train_rows=8_000, test_rows=1_500)
     data["strategy"] = strategy
@@ -50,6 +53,22 @@ def test_predict_serve_and_eval_agree_on_a_distributed_checkpoint(tmp_path, stra
     finally:
         server.stop()
     assert status == 200 and np.abs(np.array(answer["scores"]) - expected[:300, 0]).max() <= 1e-5
+
+
+def test_a_picasso_job_publishes_versions_that_end_with_its_checkpointed_model(tmp_path):
+    """Every trainer copies its shard of every table (hot rows written back), the leader writes."""
+    cfg = _small_job(tmp_path, {"preset": "picasso", "roles": {"trainers": 2}},
+                     publish_dir=str(tmp_path / "pub"), publish_every=4, publish_full_every=3)
+    versions = complete_versions(tmp_path / "pub")
+    assert [read_manifest(p)["kind"] for p in versions.values()][:4] == ["full", "delta", "delta", "full"]
+    newest = chain.load(versions[max(versions)])
+    exported = chain.load(export(cfg.train.output_dir, tmp_path / "bundle"))
+    assert newest.step == exported.step
+    for name, table in exported.tables.items():
+        mine = newest.tables[name]
+        order, theirs = np.argsort(table.keys), np.argsort(mine.keys)
+        np.testing.assert_array_equal(table.keys[order], mine.keys[theirs])
+        np.testing.assert_array_equal(table.weights()[order], mine.weights()[theirs])
 
 
 def test_the_predictor_as_a_ray_serve_deployment_answers_as_hybridrec_serve(tmp_path):

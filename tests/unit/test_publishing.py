@@ -30,7 +30,7 @@ def test_marks_give_exactly_the_rows_changed_and_the_keys_removed():
     rng = np.random.default_rng(1)
     store = EmbeddingStore(dim=4, capacity=256, num_threads=2, optimizer={"name": "adagrad", "lr": 0.1},
                            expire_after={"steps": 3})
-    tracker = ChangeTracker(store.config.capacity)
+    tracker = ChangeTracker(store)
     mirror = {}
     for step in range(1, 40):
         keys = rng.integers(0, 600, size=120).astype(np.uint64)  # more keys than rows: evictions
@@ -59,7 +59,7 @@ def test_published_versions_hold_the_tables_and_old_ones_are_pruned(tmp_path):
     assert kinds == {4: "full", 5: "delta", 6: "delta", 7: "full", 8: "delta"}
     assert read_manifest(versions[8])["base"] == 7 and read_manifest(versions[8])["step"] == 8
     latest = chain.load(versions[8])
-    for name, (side, store) in job.placement.stores().items():
+    for name, store in job.placement.stores().items():
         exported = store.export()
         table = latest.tables[name]
         assert _as_dict(table.keys, table.weights()) == _as_dict(exported["keys"], exported["weights"]), name

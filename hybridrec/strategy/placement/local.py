@@ -108,9 +108,8 @@ class LocalPlacement(PlacementDefaults):
             collection.replace_store(table, loaded)
 
     def stores(self) -> dict:
-        """{table: (side, EmbeddingStore)} of every table, held in this process (what a publisher
-        reads its rows from)."""
-        return {table: (side, store) for side, _, table, store in self._tables()}
+        """{table: EmbeddingStore} of the tables this trainer holds (what a publisher reads)."""
+        return {table: store for _, _, table, store in self._tables()}
 
     def expire(self, step: int, now: float) -> int:
         return sum(store.expire(step, now) for collection in self.collections.values()

@@ -74,6 +74,10 @@ class ShardedPlacement(PlacementDefaults):
     def load(self, directory: Path) -> None:
         self.shards.load(directory)
 
+    def stores(self) -> dict:
+        """{table: EmbeddingStore} of this trainer's shard of every table (hot rows written back)."""
+        return self.shards.written_back()
+
     def expire(self, step: int, now: float) -> int:
         return self.shards.expire(step, now)
 
