@@ -7,10 +7,11 @@ emulated run of every discipline in `--disciplines` (hybrid, async, het, ssp, ht
 (synthetic: `data.synthetic.train_rows`; a file: its rows, `train.epochs` times). Reported per run:
 test AUC and logloss, and the discipline's staleness (per key and per read, the dense copies',
 HET's clock gaps); per cell the medians over seeds and the relative AUC gap to sync at the same W
-and seed. `--lr-scales 1,0.5` runs the sweep at each scale of every learning rate (embedding
-tables and dense); `--tune` first picks, per W, the scale of the grid `--tune-grid` whose sync run
-(seed 0) has the best AUC on a validation split (`data.valid_fraction` 0.05 of the training rows),
-and runs the sweep at the configs' rates (scale 1) and at the tuned scale.
+and seed. `--lr-scales 1,0.5` runs the sweep at each scale of the embedding tables' learning rates
+(`--dense-lr-scale` scales the dense optimizer's); `--tune` first picks, per W, the scales of
+`--tune-grid` x `--tune-dense-grid` whose sync run (the first seed) has the best AUC on a
+validation split (`data.valid_fraction` 0.05 of the training rows), and runs the sweep at those
+(and at `--lr-scales`, when given).
 
 The claims (Persia §6.2): at W=16, tau=4 the hybrid's gap to sync and the async's, in percent
 (relative AUC; medians over seeds at the largest scale measured there: "hybrid within 0.1%,
@@ -92,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--visibility", type=float, default=0.0,
                    help="chance a read sees each update beyond the required ones (0: the bound's worst case)")
     p.add_argument("--schedule-seed", type=int, default=None, help="the schedule's seed (default: the config seed)")
-    p.add_argument("--lr-scales", type=_floats, default=[1.0],
-                   help="scales of the embedding tables' learning rates (every table section's), default 1")
+    p.add_argument("--lr-scales", type=_floats, default=None,
+                   help="scales of the embedding tables' learning rates (every table section's); default 1, "
+                        "or with --tune none (only the tuned rates)")
     p.add_argument("--dense-lr-scale", type=float, default=1.0, help="scale of the dense optimizer's rate, default 1")
     p.add_argument("--tune", action="store_true", help="also run at the rates sync's validation AUC picks per W "
                    "from --tune-grid x --tune-dense-grid")
@@ -244,7 +246,8 @@ def tuned_scales(args, log: RunLog) -> dict[int, tuple[float, float]]:
 
 
 def sweep(args, log: RunLog) -> tuple[list[dict], dict]:
-    scales = {w: [(s, args.dense_lr_scale) for s in args.lr_scales] for w in args.workers}
+    given = args.lr_scales if args.lr_scales is not None else ([] if args.tune else [1.0])
+    scales = {w: [(s, args.dense_lr_scale) for s in given] for w in args.workers}
     tuned = {}
     if args.tune:
         tuned = tuned_scales(args, log)
