@@ -149,13 +149,14 @@ def parse_header(frame: zmq.Frame | bytes) -> dict[str, Any]:
     return header
 
 
-_HEADER_START = re.compile(rb'\{"op":"([^"\\]{0,64})","id":(-?[0-9]{1,19})[,}]')
+_HEADER_START = re.compile(rb'\{\s*"op"\s*:\s*"([^"\\]{0,64})"\s*,\s*"id"\s*:\s*(-?[0-9]{1,19})\s*[,}]')
 
 
 def _op_and_id(frame: zmq.Frame | bytes) -> tuple[str, int]:
-    """The op and id at the start of a header as `encode_frames` writes it, without parsing the
-    rest (("?", -1) when it does not start so), so that a header too large or malformed to parse
-    still gets an error reply its client can match."""
+    """The op and id at the start of a header that begins {"op": ..., "id": ...} (as
+    `encode_frames` writes it), without parsing the rest (("?", -1) when it does not begin so),
+    so that a header too large or malformed to parse still gets an error reply its client can
+    match."""
     match = _HEADER_START.match(bytes(_frame_bytes(frame)[:128]))
     return (match[1].decode(), int(match[2])) if match else ("?", -1)
 

@@ -36,8 +36,9 @@ class Consistency:
 
     def facts(self, world) -> dict:
         """Figures of the whole job for final_metrics.json (every trainer calls this together):
-        with threaded pipelines, the staleness of every trainer's lookups (persia.staleness)."""
-        return self.telemetry.facts(world)
+        with threaded pipelines, the staleness of every trainer's lookups (persia.staleness). Without
+        them (the same on every trainer of a job) there is nothing to gather, and no collective runs."""
+        return self.telemetry.facts(world) if self.services.background_lookups else {}
 
     def close(self) -> None:
         """Release what the consistency holds across epochs (HET's caches and connections)."""
