@@ -26,7 +26,7 @@ medians per discipline and the largest difference of medians (target: within 0.0
 
 `--out FILE.jsonl` appends every run as it finishes and skips the runs it already holds, so a
 long sweep continues where it stopped. `--plot FILE.png`: the gap to sync against tau per W and
-discipline, and AUC against samples seen at the claims' cell. `--json`: one line, `runs`,
+discipline, and at the claims' cell AUC against samples seen and its difference to sync's. `--json`: one line, `runs`,
 `claims` and `oracle`.
 """
 from __future__ import annotations
@@ -346,12 +346,41 @@ def print_report(report: dict) -> None:
               f"(target {oracle['target']})")
 
 
+CURVE_COLOURS = {"sync": "tab:blue", "hybrid": "tab:orange", "async": "tab:green"}
+CURVE_STYLES = ("-", "--", ":", "-.")
+
+
+def _claims_curves(report: dict, scale: str | None) -> list[dict]:
+    """The runs of the claims' cell (sync, hybrid and async at W=16, tau=4) that carry a curve."""
+    return [r for r in report["runs"]
+            if r["workers"] == CLAIM_WORKERS and r["tau"] in (0, CLAIM_TAU) and r["curve"]
+            and r["discipline"] in CURVE_COLOURS and (scale is None or rates(r) == scale)]
+
+
+def curve_gaps(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per discipline, (samples seen, median over seeds of its curve AUC minus sync's) at the curve
+    points where the sync run of the same seed was evaluated within 2% of the same samples."""
+    sync = {r["seed"]: r["curve"] for r in runs if r["discipline"] == "sync"}
+    points: dict[str, dict[int, list[float]]] = {}
+    for r in runs:
+        if r["discipline"] == "sync" or r["seed"] not in sync:
+            continue
+        for point in r["curve"]:
+            near = min(sync[r["seed"]], key=lambda p: abs(p["samples"] - point["samples"]))
+            if abs(near["samples"] - point["samples"]) <= 0.02 * point["samples"]:
+                points.setdefault(r["discipline"], {}).setdefault(near["samples"], []).append(
+                    point["auc"] - near["auc"])
+    return {name: sorted((samples, statistics.median(gaps)) for samples, gaps in by.items())
+            for name, by in points.items()}
+
+
 def plot(report: dict, path: str) -> None:
     """Left: the gap to sync against tau, per discipline and W (median over seeds, one scale);
-    right: AUC against samples seen at the claims' cell."""
+    middle: AUC against samples seen at the claims' cell (colour: discipline, line: seed); right:
+    there, the median AUC difference to sync against samples seen."""
     rows = [c for c in report["cells"] if c["discipline"] != "sync" and c["gap_pct"] is not None]
     scale = report["claims"].get("rates") if report.get("claims") else None
-    with png_figure(path, 1, 2, figsize=(12, 4.5)) as (figure, axes):
+    with png_figure(path, 1, 3, figsize=(16, 4.5)) as (figure, axes):
         series: dict[tuple, list] = {}
         for c in rows:
             if scale is None or c["rates"] == scale:
@@ -365,18 +394,30 @@ def plot(report: dict, path: str) -> None:
         axes[0].set_xscale("log", base=2)
         axes[0].axhline(-HYBRID_TARGET_PCT, color="grey", linestyle=":")
         axes[0].set_xlabel("tau (s for het, ssp)")
-        axes[0].set_ylabel("AUC gap to sync, %")
+        axes[0].set_ylabel(f"AUC gap to sync, % (rates {scale})")
         axes[0].legend(fontsize=6, ncol=2)
         axes[0].grid(alpha=0.3)
-        for r in report["runs"]:
-            if (r["workers"] == CLAIM_WORKERS and r["tau"] in (0, CLAIM_TAU) and r["curve"]
-                    and r["discipline"] in ("sync", "hybrid", "async") and (scale is None or rates(r) == scale)):
-                axes[1].plot([p["samples"] for p in r["curve"]], [p["auc"] for p in r["curve"]],
-                             label=f"{r['label']} seed {r['seed']}", alpha=0.8)
+        curves = _claims_curves(report, scale)
+        seeds = sorted({r["seed"] for r in curves})
+        for r in curves:
+            axes[1].plot([p["samples"] for p in r["curve"]], [p["auc"] for p in r["curve"]],
+                         color=CURVE_COLOURS[r["discipline"]],
+                         linestyle=CURVE_STYLES[seeds.index(r["seed"]) % len(CURVE_STYLES)],
+                         label=f"{r['label']} seed {r['seed']}", alpha=0.85)
         axes[1].set_xlabel("samples seen")
         axes[1].set_ylabel("test AUC (curve batches)")
+        axes[1].set_title(f"W={CLAIM_WORKERS}, tau={CLAIM_TAU}", fontsize=8)
         axes[1].legend(fontsize=6)
         axes[1].grid(alpha=0.3)
+        for name, points in curve_gaps(curves).items():
+            axes[2].plot([s for s, _ in points], [g for _, g in points], marker="o", color=CURVE_COLOURS[name],
+                         label=f"{name} - sync (median of {len(seeds)} seeds)")
+        axes[2].axhline(0.0, color="grey", linestyle=":")
+        axes[2].set_xlabel("samples seen")
+        axes[2].set_ylabel("AUC difference to sync (curve batches)")
+        axes[2].set_title(f"W={CLAIM_WORKERS}, tau={CLAIM_TAU}", fontsize=8)
+        axes[2].legend(fontsize=6)
+        axes[2].grid(alpha=0.3)
         figure.suptitle(f"bench staleness: {report['settings']['config']}, {report['settings']['samples']} samples",
                         fontsize=9)
 

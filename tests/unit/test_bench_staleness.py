@@ -55,3 +55,14 @@ def test_rate_scales_multiply_every_table_section_that_sets_one_and_the_dense_ra
     assert sorted(sets) == sorted(["train.dense_optimizer.lr=0.04", "embedding.default.optimizer.lr=0.0125",
                                    "embedding.wide.optimizer.lr=0.05"])
     assert staleness.rate_overrides(cfg, 1.0, 1.0) == []
+
+
+def test_the_curve_gaps_are_median_differences_to_sync_at_matching_samples():
+    def run(discipline, seed, points):
+        return {"discipline": discipline, "seed": seed, "curve": [{"samples": s, "auc": a} for s, a in points]}
+    runs = [run("sync", 0, [(1000, 0.70), (2000, 0.80)]), run("sync", 1, [(1000, 0.72), (2000, 0.78)]),
+            run("hybrid", 0, [(1000, 0.60), (2000, 0.79)]), run("hybrid", 1, [(1000, 0.62), (2000, 0.77)]),
+            run("async", 0, [(1010, 0.68), (1500, 0.5)])]  # 1500 is near no sync point: left out
+    gaps = staleness.curve_gaps(runs)
+    assert gaps["hybrid"] == [(1000, pytest.approx(-0.10)), (2000, pytest.approx(-0.01))]
+    assert gaps["async"] == [(1000, pytest.approx(-0.02))]
