@@ -161,9 +161,26 @@ class DataConfig(_Section):
 
 # ------------------------------------------------------------------------------------ model
 class ModelConfig(_Section):
-    name: Literal["lr", "fm", "wide_deep", "deepfm", "dcn", "dlrm"] = "deepfm"
+    name: str = Field("deepfm", description="a built-in model (lr, fm, wide_deep, deepfm, dcn, dlrm; `hybridrec "
+                      "models` lists them) or an import path 'package.module:Factory' / 'path/to/file.py:Factory' "
+                      "of a model of your own (hybridrec.models.custom, docs/python-api.md)")
     embedding_dim: int = Field(16, ge=1, le=4096)
     hparams: dict[str, Any] = Field(default_factory=dict)
+    loss: str = Field("bce", description="the training loss: bce (binary cross-entropy on the logits) or an import "
+                      "path to loss(logits, labels) -> scalar (object: a loss given to hybridrec.api in Python)")
+
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, name):
+        from hybridrec.models import MODELS
+        from hybridrec.models.custom import OBJECT, is_import_path, resolve
+
+        if is_import_path(name):
+            resolve(name)  # imports now: a path that does not import is refused at load time
+        elif name not in MODELS and name != OBJECT:
+            raise ValueError(f"unknown model {name!r}{_hint(name, MODELS)}; allowed: {sorted(MODELS)} or an import "
+                             f"path 'package.module:Factory' to a model of your own")
+        return name
 
     @field_validator("hparams")
     @classmethod
@@ -174,11 +191,22 @@ class ModelConfig(_Section):
         if name is None:  # the name itself is wrong; that error is reported
             return hparams
         allowed = model_hparams(name)
+        if allowed is None:  # a factory of the user's that takes **kwargs
+            return hparams
         for key in hparams:
             if key not in allowed:
                 raise ValueError(f"{key!r} is not a hyper-parameter of model {name!r}"
                                  f"{_hint(key, allowed)}; allowed: {sorted(allowed) or 'none'}")
         return hparams
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, loss):
+        from hybridrec.models.custom import BCE, OBJECT, resolve_loss
+
+        if loss not in (BCE, OBJECT):
+            resolve_loss(loss)  # refused at load time unless it imports and is callable
+        return loss
 
 
 # ------------------------------------------------------------------------------------ embeddings
@@ -712,7 +740,7 @@ def parse_config(data: dict, source: str = "<config>", text: str | None = None,
             if err["type"] == "extra_forbidden" and any(w == where for w, _ in problems):
                 continue  # already reported with the closest valid name
             msg = err["msg"].removeprefix("Value error, ")
-            named = re.match(r"((?:strategy|data\.schema|data\.stream)\.\w+):? (.*)", msg, re.S)  # errors naming their own key
+            named = re.match(r"((?:strategy|data\.schema|data\.stream|model)\.\w+):? (.*)", msg, re.S)  # errors naming their own key
             if named:
                 where, msg = named.groups()
             if err["type"] not in ("value_error", "assertion_error") and "input" in err:

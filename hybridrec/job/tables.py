@@ -18,6 +18,7 @@ from hybridrec.data.batch import JaggedFeatures
 from hybridrec.embedding import TableConfig
 from hybridrec.job.sources import data_layout
 from hybridrec.models import build_model, model_class
+from hybridrec.models.custom import ModelInputs, build_custom_model, is_custom
 from hybridrec.embedding.layout import BatchLayout, batch_layout
 
 
@@ -115,9 +116,17 @@ def job_tables(cfg: JobConfig) -> JobTables:
     return JobTables(sparse_names, num_dense, label_names, deep, deep_map, wide, wide_map)
 
 
-def job_dense_model(cfg: JobConfig, tables: JobTables):
+def model_inputs(cfg: JobConfig, tables: JobTables) -> ModelInputs:
+    """What a model of the user's is told about its inputs (hybridrec.models.custom)."""
+    return ModelInputs(tuple(tables.sparse_names), cfg.model.embedding_dim, tables.num_dense, tables.num_tasks)
+
+
+def job_dense_model(cfg: JobConfig, tables: JobTables, module=None):
     """The job's dense model (on the CPU), sized by its tables: what trainers train and what PS
-    servers check dense parameters against."""
+    servers check dense parameters against. `module`: the nn.Module a Python caller made itself
+    (model.name `object`, hybridrec.api), wrapped as every custom model is."""
     m = cfg.model
+    if module is not None or is_custom(m.name):
+        return build_custom_model(m.name, model_inputs(cfg, tables), m.hparams, module)
     return build_model(m.name, num_sparse=len(tables.sparse_names), embedding_dim=m.embedding_dim,
                        num_dense=tables.num_dense, num_tasks=tables.num_tasks, **m.hparams)

@@ -20,6 +20,7 @@ from typing import Any
 from hybridrec.errors import UserError
 
 from hybridrec.models.base import CTRModel
+from hybridrec.models.custom import OBJECT, CustomModel, factory_hparams, is_custom, is_import_path
 from hybridrec.models.dcn import DCN
 from hybridrec.models.deepfm import DeepFM
 from hybridrec.models.dlrm import DLRM
@@ -71,7 +72,10 @@ def _did_you_mean(value: str, allowed: list[str]) -> str:
 
 
 def model_class(name: str) -> type[CTRModel]:
-    """The model class registered under `name`; ValueError naming the closest name otherwise."""
+    """The model class registered under `name` (`CustomModel` for a model of the user's: an import
+    path or `object`); ValueError naming the closest name otherwise."""
+    if is_custom(name):
+        return CustomModel
     if not isinstance(name, str) or name not in MODELS:
         names = sorted(MODELS)
         hint = _did_you_mean(name, names) if isinstance(name, str) else ""
@@ -79,8 +83,13 @@ def model_class(name: str) -> type[CTRModel]:
     return MODELS[name]
 
 
-def model_hparams(name: str) -> dict[str, Any]:
-    """Every hyper-parameter model `name` accepts, mapped to its default value."""
+def model_hparams(name: str) -> dict[str, Any] | None:
+    """Every hyper-parameter model `name` accepts, mapped to its default value; for a model of the
+    user's, its factory's keyword arguments (None: any, the factory takes **kwargs)."""
+    if is_import_path(name):
+        return factory_hparams(name)
+    if name == OBJECT:
+        return {}
     cls = model_class(name)
     hparams = _keyword_defaults(cls.__init__)
     takes_head_options = any(

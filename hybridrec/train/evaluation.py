@@ -68,17 +68,18 @@ def checkpoint_directory(checkpoint) -> Path:
     return found
 
 
-def load_local(cfg: JobConfig, checkpoint):
+def load_local(cfg: JobConfig, checkpoint, module: torch.nn.Module | None = None):
     """(dense model, local placement, progress) of a checkpoint of any strategy (a step-N
     directory or an output dir, whose latest checkpoint is taken), in this process: the model's
     weights as `model_state` reads them (HT's centre copy where the PS servers hold it) and every
     table, from the local layout (local, DES) or merged from the shards the PS servers (persia,
-    het, ht) or PICASSO's trainers wrote."""
+    het, ht) or PICASSO's trainers wrote. `module`: the model object of a run whose model.name is
+    `object` (hybridrec.api), which the checkpoint's weights are loaded into."""
     from hybridrec.strategy.placement.local import LocalPlacement
 
     path = checkpoint_directory(checkpoint)
     tables = job_tables(cfg)
-    model = dense_model(cfg, tables)
+    model = dense_model(cfg, tables, module)
     placement = LocalPlacement(cfg, tables, World())
     progress = read_progress(path, cfg)
     model.load_state_dict(model_state(path))

@@ -10,6 +10,7 @@ import torch
 
 from hybridrec.config import JobConfig
 from hybridrec.job.tables import job_dense_model
+from hybridrec.models.custom import BCE, resolve_loss, torch_loss
 
 
 def seed_everything(seed: int, threads: int, deterministic: bool) -> None:
@@ -36,6 +37,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
-def dense_model(cfg: JobConfig, tables) -> torch.nn.Module:
-    return job_dense_model(cfg, tables).to(resolve_device(cfg.train.device))
+def dense_model(cfg: JobConfig, tables, module: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The job's dense model on its device; `module`: a model object of the caller's (hybridrec.api)."""
+    return job_dense_model(cfg, tables, module).to(resolve_device(cfg.train.device))
+
+
+def training_loss(cfg: JobConfig, loss=None):
+    """The loss training minimises: `loss(logits, labels)` a Python caller gave, else model.loss
+    (binary cross-entropy unless it names a loss of the user's), its result checked to be a scalar."""
+    if loss is None and cfg.model.loss == BCE:
+        return torch.nn.BCEWithLogitsLoss()
+    if loss is None:
+        return torch_loss(resolve_loss(cfg.model.loss), cfg.model.loss)
+    return torch_loss(loss, "(the loss given in Python)")
 

@@ -34,7 +34,7 @@ from hybridrec.train.expiry import ExpirySchedule
 from hybridrec.train.local_pipeline import LocalPipeline
 from hybridrec.train.reporting import Reporter, json_text
 from hybridrec.train.resume import restore, save_together
-from hybridrec.train.setup import dense_model, seed_everything
+from hybridrec.train.setup import dense_model, seed_everything, training_loss
 from hybridrec.train.step import forward_backward
 from hybridrec.train.stream import StreamTraining
 from hybridrec.train.threads import ThreadSplit, thread_split
@@ -141,7 +141,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig, resume: bool = False, overwrite: bool = False, endpoints: dict | None = None,
-                 on_step: Callable | None = None):
+                 on_step: Callable | None = None, model: torch.nn.Module | None = None, loss: Callable | None = None):
         world = World.current()
         split = thread_split(cfg.train, cfg.strategy.resolved["placement"])
         seed_everything(cfg.seed, split.dense, cfg.train.deterministic)
@@ -151,7 +151,7 @@ class Trainer:
             readers = run.strategy.readers
             run.sources = build_sources(cfg.data, cfg.seed, readers.rank, readers.size, with_best_auc=world.leader,
                                         stream=self._stream_reader())
-            model = dense_model(cfg, tables)
+            model = dense_model(cfg, tables, model)
             record, state = restore(cfg, world, run.strategy.placement, resume, overwrite)
             if record is not None:
                 run.progress = Progress(**{key: record[key] for key in asdict(Progress())})
@@ -180,7 +180,7 @@ class Trainer:
             self.close()
             raise
         # a loss that is NaN or inf stops the run before its gradients apply (hybridrec.train.divergence)
-        self.loss_fn = checked_loss(torch.nn.BCEWithLogitsLoss(), cfg, lambda: run.progress.step + 1)
+        self.loss_fn = checked_loss(training_loss(cfg, loss), cfg, lambda: run.progress.step + 1)
         self.device = model_device(run.model)
 
     # ------------------------------------------------------------------ the run
@@ -481,11 +481,14 @@ def _due(every: int | None, step: int) -> bool:
 
 
 def train(cfg: JobConfig, resume: bool = False, on_step=None, overwrite: bool = False,
-          endpoints: dict | None = None) -> dict:
+          endpoints: dict | None = None, model: torch.nn.Module | None = None, loss: Callable | None = None) -> dict:
     """Train as the config says, as this process's part of the job; returns the final test metrics
     and run facts. `endpoints` holds the addresses of a remote placement's services. A fresh run
     refuses an output_dir that holds checkpoints unless `overwrite`; `resume` continues from the
     latest one and ends exactly as an uninterrupted run would. `on_step(step, model)` is called
-    after every training step."""
-    with Trainer(cfg, resume=resume, overwrite=overwrite, endpoints=endpoints, on_step=on_step) as trainer:
+    after every training step. `model` (an nn.Module taking (dense, PooledEmbeddings), model.name
+    `object`) and `loss` (loss(logits, labels) -> scalar) replace what the config names
+    (hybridrec.models.custom; hybridrec.api is the documented way in)."""
+    with Trainer(cfg, resume=resume, overwrite=overwrite, endpoints=endpoints, on_step=on_step, model=model,
+                 loss=loss) as trainer:
         return trainer.fit()
