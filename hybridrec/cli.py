@@ -151,6 +151,8 @@ def cmd_models(args) -> int:
 
     print("Models (model.name) and their hyper-parameters (model.hparams) with defaults:")
     print(describe_models())
+    print("A model of your own: model.name 'package.module:Factory' (or 'path/to/file.py:Factory'), called as "
+          "Factory(inputs, **model.hparams); model.loss likewise (docs/python-api.md)")
     return 0
 
 
