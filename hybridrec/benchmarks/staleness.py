@@ -331,10 +331,13 @@ def print_report(report: dict) -> None:
         print(f"{c['label']:<28} {c['workers']:>3} {c['rates']:>12} {c['seeds']:>5} {c['auc']:>8.5f} "
               f"{c['auc_min']:.4f}-{c['auc_max']:.4f} {gap:>8} {c['logloss']:>8.5f}")
     cl = report.get("claims")
-    if cl and cl["hybrid_gap_pct"] is not None:
+    if cl and (cl["hybrid_gap_pct"] is not None or cl["async_gap_pct"] is not None):
+        def gap(value):  # a sweep without one of the two disciplines has no gap for it
+            return "not run" if value is None else f"{value:+.3f}%"
+
         print(f"claims at W={cl['workers']}, tau={cl['tau']}, {cl['samples']} samples (rates {cl['rates']}): "
-              f"hybrid {cl['hybrid_gap_pct']:+.3f}% (target within {HYBRID_TARGET_PCT}%), "
-              f"async {cl['async_gap_pct']:+.3f}% (target <= -{ASYNC_TARGET_PCT}%)")
+              f"hybrid {gap(cl['hybrid_gap_pct'])} (target within {HYBRID_TARGET_PCT}%), "
+              f"async {gap(cl['async_gap_pct'])} (target <= -{ASYNC_TARGET_PCT}%)")
     if report.get("tuned_lr_scales"):
         print(f"tuned learning-rate scales (sync's validation AUC): {report['tuned_lr_scales']}")
     oracle = report.get("oracle")

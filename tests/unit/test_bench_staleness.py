@@ -66,3 +66,12 @@ def test_the_curve_gaps_are_median_differences_to_sync_at_matching_samples():
     gaps = staleness.curve_gaps(runs)
     assert gaps["hybrid"] == [(1000, pytest.approx(-0.10)), (2000, pytest.approx(-0.01))]
     assert gaps["async"] == [(1000, pytest.approx(-0.02))]
+
+
+def test_a_sweep_without_async_reports_the_hybrid_claim_and_async_as_not_run(capsys):
+    runs = staleness.with_gaps([{"label": label, "discipline": label.split(":")[0], "workers": 16,
+                                 "tau": 4 if ":" in label else 0, "seed": 0, "auc": auc, "logloss": 0.4,
+                                 "lr_scale": 1.0, "dense_lr_scale": 1.0}
+                                for label, auc in (("sync", 0.80), ("hybrid:tau=4", 0.79))])
+    staleness.print_report({"cells": staleness.cells(runs), "claims": staleness.claims(runs, 1000, {})})
+    assert "hybrid -1.250% (target within 0.1%), async not run" in capsys.readouterr().out
