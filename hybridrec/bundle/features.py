@@ -93,19 +93,20 @@ class FeatureSpec:
         raise RowError(f"{where}: a line has {fields} columns; lines of this model have {len(self.columns)} "
                        f"({', '.join(self.columns)}) or {len(without)} without the label")
 
-    def parse(self, layout: Layout, buffer: np.ndarray, n: int, first_row: int) -> tuple[Batch | None, np.ndarray, int]:
-        """(batch of the good rows or None, the kernel's bad rows, lines read) of buffer[:n],
-        complete lines; line i is row first_row + i (its sample id)."""
+    def parse(self, layout: Layout, buffer: np.ndarray, n: int,
+              first_row: int) -> tuple[Batch | None, np.ndarray, int, int]:
+        """(batch of the good rows or None, the kernel's bad rows, records read, lines read) of
+        buffer[:n], complete records; record i is row first_row + i (its sample id)."""
         return parse_line_buffer(self.schema, layout.kinds, layout.slots, buffer, n, first_row, (0, _NO_LIMIT))
 
     def parse_request_lines(self, text: bytes, count: int, where: str, layout: Layout | None = None) -> Batch:
         """The batch of `count` lines joined by newlines (a request's); RowError naming the
         first bad or empty line."""
         if layout is None:
-            first = text.split(b"\n", 1)[0]
-            layout = self.layout_for_fields(first.count(self.schema.delimiter.encode()) + 1, where)
+            first = text.split(b"\n", 1)[0].decode("utf-8", errors="replace")
+            layout = self.layout_for_fields(len(self.schema.split_header(first)), where)
         buffer = np.frombuffer(text + b"\n", np.uint8)
-        batch, bad, _ = self.parse(layout, buffer, len(buffer), 0)
+        batch, bad, _, _ = self.parse(layout, buffer, len(buffer), 0)
         if len(bad):
             found = describe_bad_line(where, layout.columns, buffer, bad[0], 1)
             raise RowError(f"{where} line {found.line}: column {found.column}: {found.reason} (value {found.value!r})")
@@ -202,7 +203,7 @@ def _file_columns(data, schema: TabularSchema) -> tuple[str, ...]:
             with open(paths[0], "rb") as handle:
                 header = handle.readline().decode("utf-8", errors="replace").rstrip("\r\n")
             if header:
-                return tuple(header.split(schema.delimiter))
+                return tuple(schema.split_header(header))
         except OSError:
             pass
     return schema.labels + schema.dense + schema.categorical + schema.multi_categorical + schema.hour_columns

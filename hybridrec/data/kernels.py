@@ -8,6 +8,13 @@ Avazu's IDs) is mapped *injectively* together with its field index and its lengt
 spread over the whole uint64 space with the bijective splitmix64 finaliser. Equal tokens in
 different fields therefore never collide. Any other token is hashed with FNV-1a seeded by
 the field and finalised the same way (collisions then have the usual 2**-64 odds).
+
+Quoted fields (RFC 4180): with a quote byte (`quote` >= 0), a field that starts with it runs to
+the next lone quote; a doubled quote inside stands for one, and delimiters and newlines inside
+are part of the value, so a record (a data row) may span several lines. A quoted value is the
+same value as the bare one: `"abc"` hashes as `abc`, `"1.5"` is 1.5. A quote inside an unquoted
+field is an ordinary byte. A chunk without a quote byte takes the unquoted path, which is the
+parser as it was before quoting existed (one counting pass finds out).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ ERROR_NOT_A_NUMBER = 2
 ERROR_BAD_LABEL = 3
 ERROR_BAD_HOUR = 4
 ERROR_OUT_OF_RANGE = 5
+ERROR_QUOTE = 6
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 ERROR_REASONS = {
     ERROR_COLUMN_COUNT: "wrong number of columns",
@@ -38,7 +46,10 @@ ERROR_REASONS = {
     ERROR_BAD_LABEL: "label is not a number (or not 0/1 where labels are binary)",
     ERROR_BAD_HOUR: "hour is not YYMMDDHH",
     ERROR_OUT_OF_RANGE: f"number out of range (beyond float32's +-{FLOAT32_MAX:.4g}, or infinite)",
+    ERROR_QUOTE: "a quoted field is not closed, or text follows its closing quote (RFC 4180: a quote "
+                 "inside a quoted field is written twice)",
 }
+NO_QUOTE = -1  # the `quote` of files read without quoting
 
 # Field indices must fit below the hex value and length bits of the injective key layout.
 MAX_FIELDS = 1 << 24
@@ -219,65 +230,199 @@ def count_newlines(buf, n):
 
 
 @njit(cache=True, nogil=True)
-def _count_columns(buf, start, end, delimiter):
+def count_newlines_and_quotes(buf, n, quote):
+    """(newlines, quote bytes) in buf[:n], in one pass; `quote` < 0 counts no quotes."""
+    lines = 0
+    quotes = 0
+    for i in range(n):
+        b = buf[i]
+        lines += b == _NEWLINE
+        quotes += b == quote
+    return lines, quotes
+
+
+@njit(cache=True, nogil=True)
+def _quoted_record_end(buf, start, n, delimiter, quote):
+    """(index of the newline that ends the record starting at buf[start], newlines inside its
+    quoted fields); the index is n when buf[:n] holds no end of that record."""
+    inside = False
+    field_start = True
+    newlines = 0
+    i = start
+    while i < n:
+        b = buf[i]
+        if inside:
+            if b == quote:
+                if i + 1 < n and buf[i + 1] == quote:  # a doubled quote: one quote of the value
+                    i += 2
+                    continue
+                inside = False
+            elif b == _NEWLINE:
+                newlines += 1
+        elif b == _NEWLINE:
+            return i, newlines
+        elif b == quote and field_start:
+            inside = True
+            field_start = False
+        else:
+            field_start = b == delimiter
+        i += 1
+    return n, newlines
+
+
+@njit(cache=True, nogil=True)
+def complete_records(buf, n, delimiter, quote):
+    """Length of the complete records at the start of buf[:n] (each ends in a newline outside
+    quotes), 0 when there is none; without quote bytes, up to the last newline."""
+    if quote < 0 or count_newlines_and_quotes(buf, n, quote)[1] == 0:
+        return last_newline(buf, n) + 1
+    done = 0
+    while done < n:
+        end, _ = _quoted_record_end(buf, done, n, delimiter, quote)
+        if end >= n:
+            break
+        done = end + 1
+    return done
+
+
+@njit(cache=True, nogil=True)
+def count_records(buf, n, delimiter, quote):
+    """Records (data rows, blank lines included) in the complete records buf[:n]."""
+    lines, quotes = count_newlines_and_quotes(buf, n, quote)
+    if quotes == 0:
+        return lines
+    records = 0
+    done = 0
+    while done < n:
+        end, _ = _quoted_record_end(buf, done, n, delimiter, quote)
+        records += 1
+        done = end + 1
+    return records
+
+
+@njit(cache=True, nogil=True)
+def _count_fields(buf, start, end, delimiter, quote):
+    """Fields of the record buf[start:end]: its delimiters outside quotes, plus one."""
     columns = 1
+    inside = False
+    field_start = True
     for i in range(start, end):
-        if buf[i] == delimiter:
+        b = buf[i]
+        if inside:
+            if b == quote:
+                inside = False  # a doubled quote closes and reopens: the count is the same
+                field_start = False
+                continue
+        elif b == delimiter:
             columns += 1
+            field_start = True
+            continue
+        elif b == quote and field_start:
+            inside = True
+        field_start = False
     return columns
 
 
 @njit(cache=True, nogil=True)
-def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, n_dense,
+def _closing_quote(buf, start, end, quote):
+    """(index of the quote closing the field opened at buf[start], whether the value holds a
+    doubled quote); the index is -1 when the field does not close before `end`."""
+    doubled = False
+    i = start + 1
+    while i < end:
+        if buf[i] == quote:
+            if i + 1 < end and buf[i + 1] == quote:
+                doubled = True
+                i += 2
+                continue
+            return i, doubled
+        i += 1
+    return -1, doubled
+
+
+@njit(cache=True, nogil=True)
+def _unescape(buf, start, end, quote):
+    """buf[start:end] with each doubled quote written once, in place from `start`; returns the
+    value's new length."""
+    k = start
+    i = start
+    while i < end:
+        buf[k] = buf[i]
+        k += 1
+        i += 2 if buf[i] == quote else 1
+    return k - start
+
+
+@njit(cache=True, nogil=True)
+def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_labels, n_dense,
                           n_sparse, binary_labels, first_row, block_rows, rank, world_size,
                           row_start, row_stop):
-    """Parses the complete lines of buf[:n] (each ending in b'\\n') into row-major arrays.
+    """Parses the complete records of buf[:n] (each ending in b'\\n' outside quotes) into
+    row-major arrays; `quote` is the quote byte, or `NO_QUOTE` (see the module docstring).
+    A quoted value with doubled quotes is rewritten in place (one quote each) where it starts,
+    so a caller that needs the text afterwards passes a copy of a buffer holding quotes.
 
-    Line i is data row `first_row + i`; it is parsed only when it lies in [row_start,
+    Record i is data row `first_row + i`; it is parsed only when it lies in [row_start,
     row_stop) and `((first_row + i) // block_rows) % world_size == rank` (rank sharding by
-    row blocks); other lines are neither kept nor reported as bad.
+    row blocks); other records are neither kept nor reported as bad.
     Column c is handled by kinds[c] and writes output slot slots[c]. Empty dense values are
     0, empty categoricals are missing IDs, blank lines are skipped. A bad row is not kept;
-    its line index, column, error code and the byte range of the offending value are
-    returned so the caller can report it.
+    its record index, column, error code, the byte range of the offending value and the line
+    (of buf) it starts on are returned so the caller can report it.
 
     Returns (labels[r, n_labels], dense[r, n_dense], id_starts[r, n_sparse],
-    id_counts[r, n_sparse], ids, row_of_line[r], bad[k, 5] = (line index, column, code,
-    value start, value end), lines) for r kept rows, k bad rows and `lines` lines read.
+    id_counts[r, n_sparse], ids, row_of_line[r], bad[k, 6] = (record index, column, code,
+    value start, value end, line index), records, lines) for r kept rows, k bad rows,
+    `records` records and `lines` lines read (more lines than records where quoted fields hold
+    newlines).
     """
-    lines = count_newlines(buf, n)
+    capacity, quotes = count_newlines_and_quotes(buf, n, quote)
+    quoting = quotes > 0
     n_columns = kinds.shape[0]
     has_multi = False
     for c in range(n_columns):
         if kinds[c] == KIND_MULTI_CATEGORICAL:
             has_multi = True
-    id_capacity = lines * n_sparse
+    id_capacity = capacity * n_sparse
     if has_multi:
         for i in range(n):
             if buf[i] == separator:
                 id_capacity += 1
-    labels = np.empty((lines, n_labels), dtype=np.float32)
-    dense = np.zeros((lines, n_dense), dtype=np.float32)
-    id_starts = np.zeros((lines, n_sparse), dtype=np.int64)
-    id_counts = np.zeros((lines, n_sparse), dtype=np.int32)
+    labels = np.empty((capacity, n_labels), dtype=np.float32)
+    dense = np.zeros((capacity, n_dense), dtype=np.float32)
+    id_starts = np.zeros((capacity, n_sparse), dtype=np.int64)
+    id_counts = np.zeros((capacity, n_sparse), dtype=np.int32)
     ids = np.empty(id_capacity, dtype=np.uint64)
-    row_of_line = np.empty(lines, dtype=np.int64)
-    bad = np.empty((lines, 5), dtype=np.int64)
+    row_of_line = np.empty(capacity, dtype=np.int64)
+    bad = np.empty((capacity, 6), dtype=np.int64)
     kept = 0
     n_bad = 0
     n_ids = 0
+    records = capacity
+    line = 0
     line_start = 0
-    for line in range(lines):
-        line_end = line_start
-        while buf[line_end] != _NEWLINE:
-            line_end += 1
+    for record in range(capacity):
+        if line_start >= n:  # fewer records than newlines: quoted fields hold some
+            records = record
+            break
+        inner_newlines = 0
+        if quoting:
+            line_end, inner_newlines = _quoted_record_end(buf, line_start, n, delimiter, quote)
+            if line_end >= n:  # the data ends inside a quoted field: its last newline ends it
+                line_end = n - 1
+                inner_newlines -= 1
+        else:
+            line_end = line_start
+            while buf[line_end] != _NEWLINE:
+                line_end += 1
         next_start = line_end + 1
         if line_end > line_start and buf[line_end - 1] == _CARRIAGE_RETURN:
             line_end -= 1
-        row = first_row + line
+        row = first_row + record
         mine = row_start <= row < row_stop and (row // block_rows) % world_size == rank
         if not mine or line_end == line_start:
             line_start = next_start
+            line += 1 + inner_newlines
             continue
         error = 0
         error_column = 0
@@ -291,14 +436,30 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                 error = ERROR_COLUMN_COUNT
                 break
             start = pos
-            while pos < line_end and buf[pos] != delimiter:
-                pos += 1
-            end = pos
+            if quoting and pos < line_end and buf[pos] == quote:
+                close, doubled = _closing_quote(buf, pos, line_end, quote)
+                start = pos + 1
+                end = line_end if close < 0 else close
+                pos = end + 1
+                if close < 0 or (pos < line_end and buf[pos] != delimiter):  # not closed, or text after it
+                    error = ERROR_QUOTE
+                    error_column = column
+                    error_start = start
+                    error_end = pos if close >= 0 else end
+                    break
+                value_end = end
+                if doubled:  # one quote for each doubled one, in place (the caller passed a copy)
+                    value_end = start + _unescape(buf, start, end, quote)
+            else:
+                while pos < line_end and buf[pos] != delimiter:
+                    pos += 1
+                end = pos
+                value_end = end
             pos += 1
             kind = kinds[column]
             slot = slots[column]
             if kind == KIND_LABEL:
-                ok, value = parse_number(buf, start, end)
+                ok, value = parse_number(buf, start, value_end)
                 if not ok or (binary_labels and value != 0.0 and value != 1.0):
                     error = ERROR_BAD_LABEL
                 elif not abs(value) <= FLOAT32_MAX:
@@ -307,8 +468,8 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                     labels[kept, slot] = value
             elif kind == KIND_DENSE or kind == KIND_DENSE_LOG1P:
                 value = 0.0
-                if end > start:
-                    ok, value = parse_number(buf, start, end)
+                if value_end > start:
+                    ok, value = parse_number(buf, start, value_end)
                     if not ok:
                         error = ERROR_NOT_A_NUMBER
                     elif not abs(value) <= FLOAT32_MAX and (kind == KIND_DENSE or abs(value) == np.inf):
@@ -318,8 +479,8 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
                 dense[kept, slot] = value
             elif kind == KIND_CATEGORICAL:
                 id_starts[kept, slot] = n_ids
-                if end > start:
-                    ids[n_ids] = token_key(buf, start, end, slot)
+                if value_end > start:
+                    ids[n_ids] = token_key(buf, start, value_end, slot)
                     n_ids += 1
                     id_counts[kept, slot] = 1
                 else:
@@ -327,15 +488,15 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
             elif kind == KIND_MULTI_CATEGORICAL:
                 id_starts[kept, slot] = n_ids
                 piece = start
-                for i in range(start, end + 1):
-                    if i == end or buf[i] == separator:
+                for i in range(start, value_end + 1):
+                    if i == value_end or buf[i] == separator:
                         if i > piece:
                             ids[n_ids] = token_key(buf, piece, i, slot)
                             n_ids += 1
                         piece = i + 1
                 id_counts[kept, slot] = n_ids - id_starts[kept, slot]
             elif kind == KIND_HOUR_YYMMDDHH:
-                ok, hour, weekday = parse_hour_yymmddhh(buf, start, end)
+                ok, hour, weekday = parse_hour_yymmddhh(buf, start, value_end)
                 if not ok:
                     error = ERROR_BAD_HOUR
                 else:
@@ -354,7 +515,8 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
         if error == 0 and pos <= line_end:  # columns left over
             error = ERROR_COLUMN_COUNT
         if error == ERROR_COLUMN_COUNT:
-            error_column = _count_columns(buf, line_start, line_end, delimiter)
+            error_column = _count_fields(buf, line_start, line_end, delimiter,
+                                         quote if quoting else NO_QUOTE)
             error_start = line_start
             error_end = line_end
         if error == 0:
@@ -364,15 +526,17 @@ def parse_delimited_lines(buf, n, delimiter, separator, kinds, slots, n_labels, 
             n_ids = ids_before
             id_counts[kept, :] = 0
             dense[kept, :] = 0.0
-            bad[n_bad, 0] = line
+            bad[n_bad, 0] = record
             bad[n_bad, 1] = error_column
             bad[n_bad, 2] = error
             bad[n_bad, 3] = error_start
             bad[n_bad, 4] = error_end
+            bad[n_bad, 5] = line
             n_bad += 1
         line_start = next_start
+        line += 1 + inner_newlines
     return (labels[:kept], dense[:kept], id_starts[:kept], id_counts[:kept], ids[:n_ids],
-            row_of_line[:kept], bad[:n_bad], lines)
+            row_of_line[:kept], bad[:n_bad], records, line)
 
 
 @njit(cache=True, nogil=True)

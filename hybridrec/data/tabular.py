@@ -6,14 +6,17 @@ on a separator) and Avazu-style YYMMDDHH hours (two features: hour of day, day o
 Columns the schema does not name are skipped.
 
 `DelimitedTextReader` streams in constant memory: it reads byte chunks into one numpy buffer
-and parses the complete lines with the numba kernel of `kernels.py` (no per-row Python).
-Quoted CSV fields are not supported by that kernel. `ParquetReader` streams record batches
+and parses the complete records with the numba kernel of `kernels.py` (no per-row Python).
+Quoted fields follow RFC 4180 (`schema.quote`, default `"`; null reads quotes as ordinary
+bytes): a field in quotes may hold the delimiter, newlines and doubled quotes, and its value is
+the text between the quotes. `ParquetReader` streams record batches
 with pyarrow. Both shard by rank: data row r belongs to rank `(r // block_rows) % world_size`,
 so the ranks' rows are disjoint and together cover the file; each rank yields batches of
 exactly `batch_size` rows (the last one smaller unless `drop_last`). `sample_ids` are the
 global data-row indices (0-based across all files, header lines not counted). A data row is
-a line, good or bad, so `row_range=(start, stop)` keeps the same lines whatever they hold;
-rows outside it are neither parsed nor reported.
+a record (a line, or several where a quoted field holds newlines), good or bad, so
+`row_range=(start, stop)` keeps the same records whatever they hold; rows outside it are
+neither parsed nor reported. Bad rows are reported by the line they start on.
 
 Bad rows (wrong column count, non-numeric dense value, bad label, a number that is infinite or
 beyond float32's range, which would train as inf) are dropped, counted in
@@ -25,6 +28,7 @@ line, column and value at the first one. Files that do not fit the reader or the
 from __future__ import annotations
 
 import abc
+import csv
 import dataclasses
 import logging
 import os
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 DENSE_TRANSFORMS = ("none", "log1p")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PARQUET_MAGIC = b"PAR1"  # the first (and last) four bytes of every Parquet file
+MAX_RECORD_BYTES = 64 << 20  # a record longer than this behind an open quote is an unclosed quote
 
 
 def _as_name_tuple(name: str, value: Any) -> tuple[str, ...]:
@@ -79,6 +84,7 @@ class TabularSchema:
     dense_transform: str = "none"
     binary_labels: bool = True
     event_time: str | None = None  # a column of Unix seconds when the record happened (streams' lag)
+    quote: str | None = '"'  # RFC 4180 quoting of fields; None: quotes are ordinary bytes
 
     def __post_init__(self) -> None:
         for name in ("labels", "dense", "categorical", "multi_categorical", "hour_columns",
@@ -96,6 +102,11 @@ class TabularSchema:
         if self.multi_separator == self.delimiter:
             raise ValueError(f"multi_separator must differ from delimiter, both are "
                              f"{self.delimiter!r}")
+        if self.quote is not None:
+            _single_char("quote", self.quote)
+            if self.quote in (self.delimiter, self.multi_separator):
+                raise ValueError(f"quote must differ from delimiter and multi_separator, got {self.quote!r} "
+                                 f"(null reads quotes as ordinary characters)")
         if self.dense_transform not in DENSE_TRANSFORMS:
             raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got "
                              f"{self.dense_transform!r}")
@@ -130,6 +141,17 @@ class TabularSchema:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v
                 for k, v in dataclasses.asdict(self).items()}
+
+    @property
+    def quote_byte(self) -> int:
+        """The quote as the kernels take it (`kernels.NO_QUOTE` without quoting)."""
+        return kernels.NO_QUOTE if self.quote is None else ord(self.quote)
+
+    def split_header(self, line: str) -> list[str]:
+        """The column names of a header line (its fields, quoted ones unquoted)."""
+        if self.quote is None:
+            return line.split(self.delimiter)
+        return next(csv.reader([line], delimiter=self.delimiter, quotechar=self.quote, strict=False))
 
     @property
     def sparse_feature_names(self) -> list[str]:
@@ -324,8 +346,8 @@ class DelimitedTextReader(_ShardedReader):
             with open(path, "rb") as handle:
                 if self.schema.header:
                     handle.readline()
-                for buffer, n in self._complete_lines(handle):
-                    total += kernels.count_newlines(buffer, n)
+                for buffer, n in self._complete_lines(handle, path):
+                    total += kernels.count_records(buffer, n, ord(self.schema.delimiter), self.schema.quote_byte)
         return total
 
     def _column_names(self, handle, path: Path) -> tuple[list[str], int]:
@@ -338,12 +360,14 @@ class DelimitedTextReader(_ShardedReader):
         if not text:
             raise UserError(f"{path}:1: expected a header line (data.schema.header is true), the "
                             f"file is empty")
-        return text.split(self.schema.delimiter), 1
+        return self.schema.split_header(text), 1
 
-    def _complete_lines(self, handle) -> Iterator[tuple[np.ndarray, int]]:
-        """Yields (buffer, n): buffer[:n] is whole lines, each ending in a newline. The buffer
-        is reused, so it is only valid until the next step. Memory stays at chunk_bytes
-        unless one line is longer."""
+    def _complete_lines(self, handle, path: Path) -> Iterator[tuple[np.ndarray, int]]:
+        """Yields (buffer, n): buffer[:n] is whole records, each ending in a newline (outside
+        quotes). The buffer is reused, so it is only valid until the next step. Memory stays at
+        chunk_bytes unless one record is longer; one longer than MAX_RECORD_BYTES that holds a
+        quote is an unclosed quote, an error naming its line."""
+        delimiter, quote = ord(self.schema.delimiter), self.schema.quote_byte
         buffer = np.empty(self.chunk_bytes + 1, dtype=np.uint8)
         carry = 0
         while True:
@@ -355,9 +379,11 @@ class DelimitedTextReader(_ShardedReader):
                     buffer[carry] = 10  # the last line had no newline
                     yield buffer, carry + 1
                 return
-            end = kernels.last_newline(buffer, filled)
+            end = kernels.complete_records(buffer, filled, delimiter, quote) - 1
             if end < 0:
-                if filled == len(buffer) - 1:  # one line longer than the buffer: grow it
+                if filled > MAX_RECORD_BYTES and kernels.count_newlines_and_quotes(buffer, filled, quote)[1]:
+                    raise UserError(_unclosed_quote(path, handle.tell() - filled, self.schema.quote))
+                if filled == len(buffer) - 1:  # one record longer than the buffer: grow it
                     grown = np.empty(2 * len(buffer), dtype=np.uint8)
                     grown[:filled] = buffer[:filled]
                     buffer = grown
@@ -378,10 +404,10 @@ class DelimitedTextReader(_ShardedReader):
                 columns, first_line = self._column_names(handle, path)
                 kinds, slots = schema.column_layout(columns, str(path))
                 first_line += 1
-                for buffer, n in self._complete_lines(handle):
+                for buffer, n in self._complete_lines(handle, path):
                     if first_row >= stop:
                         return
-                    batch, bad, lines = parse_line_buffer(
+                    batch, bad, records, lines = parse_line_buffer(
                         schema, kinds, slots, buffer, n, first_row, (start, stop), self.block_rows, self.rank,
                         self.world_size)
                     self.rows_read += (0 if batch is None else len(batch)) + len(bad)
@@ -389,7 +415,7 @@ class DelimitedTextReader(_ShardedReader):
                         self._record_bad_rows(path, columns, buffer, bad, first_line)
                     if batch is not None:
                         yield batch
-                    first_row += lines
+                    first_row += records
                     first_line += lines
 
     def _record_bad_rows(self, path: Path, columns: list[str], buffer: np.ndarray,
@@ -399,27 +425,32 @@ class DelimitedTextReader(_ShardedReader):
 
 def parse_line_buffer(schema: TabularSchema, kinds: np.ndarray, slots: np.ndarray, buffer: np.ndarray, n: int,
                       first_row: int, row_range: tuple[int, int], block_rows: int = 1, rank: int = 0,
-                      world_size: int = 1) -> tuple[Batch | None, np.ndarray, int]:
-    """(batch or None, bad, lines) of the complete lines buffer[:n]: line i is data row
-    first_row + i (its sample id); rows outside row_range or another rank's blocks are skipped;
-    `bad` holds the kernel's (line index, column, code, value start, value end) per rejected row
-    (see `describe_bad_line`). `kinds`, `slots` come from `schema.column_layout`."""
+                      world_size: int = 1) -> tuple[Batch | None, np.ndarray, int, int]:
+    """(batch or None, bad, records, lines) of the complete records buffer[:n]: record i is data
+    row first_row + i (its sample id); rows outside row_range or another rank's blocks are skipped;
+    `bad` holds the kernel's (record index, column, code, value start, value end, line index) per
+    rejected row (see `describe_bad_line`); `lines` counts the newlines of buffer[:n], more than
+    `records` where quoted fields hold some. `kinds`, `slots` come from `schema.column_layout`."""
     names = schema.sparse_feature_names
-    (labels, dense, id_starts, id_counts, ids, rows, bad, lines) = kernels.parse_delimited_lines(
-        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), kinds, slots, len(schema.labels),
-        len(schema.dense), len(names), schema.binary_labels, first_row, block_rows, rank, world_size,
-        row_range[0], row_range[1])
+    if not buffer.flags.writeable or (schema.quote is not None and kernels.count_newlines_and_quotes(
+            buffer, n, schema.quote_byte)[1]):
+        buffer = buffer[:n].copy()  # the kernel unescapes quoted values in place: the caller's text stays
+    (labels, dense, id_starts, id_counts, ids, rows, bad, records, lines) = kernels.parse_delimited_lines(
+        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), schema.quote_byte, kinds, slots,
+        len(schema.labels), len(schema.dense), len(names), schema.binary_labels, first_row, block_rows, rank,
+        world_size, row_range[0], row_range[1])
     if not len(rows):
-        return None, bad, lines
+        return None, bad, records, lines
     values, offsets = kernels.row_major_to_feature_major(id_starts, id_counts, ids)
-    return Batch(JaggedFeatures(list(names), values, offsets), dense, labels, rows.astype(np.uint64)), bad, lines
+    batch = Batch(JaggedFeatures(list(names), values, offsets), dense, labels, rows.astype(np.uint64))
+    return batch, bad, records, lines
 
 
 def describe_bad_line(where: str, columns: Sequence[str], buffer: np.ndarray, bad: np.ndarray,
                       first_line: int) -> BadRow:
     """The BadRow of one of `parse_line_buffer`'s rejected rows; `first_line` is the number that
     line index 0 of the buffer has in `where`."""
-    line, column, code, start, end = (int(x) for x in bad)
+    _, column, code, start, end, line = (int(x) for x in bad)
     value = bytes(buffer[start:end]).decode("utf-8", errors="replace")
     if code == kernels.ERROR_COLUMN_COUNT:
         where_column = "*"
@@ -553,6 +584,19 @@ class ParquetReader(_ShardedReader):
             return Batch(sparse, dense[keep], labels[keep], rows[keep].astype(np.uint64))
         batch = Batch(sparse, dense, labels, rows.astype(np.uint64))
         return batch if keep.all() else batch.take_rows(np.flatnonzero(keep))
+
+
+def _unclosed_quote(path: Path, offset: int, quote: str) -> str:
+    """The error of a quote opened at or after byte `offset` of `path` that no record closes."""
+    line = 1
+    with open(path, "rb") as handle:
+        while offset > 0:
+            part = handle.read(min(offset, 8 << 20))
+            line += part.count(b"\n")
+            offset -= len(part)
+    return (f"{path}:{line}: a field opened with {quote!r} on this line or soon after is not closed within "
+            f"{MAX_RECORD_BYTES >> 20} MiB (RFC 4180: a quote inside a quoted field is written twice; set "
+            f"data.schema.quote: null if quotes in this file are ordinary characters)")
 
 
 def _open_parquet(path: Path):

@@ -16,6 +16,7 @@ import numpy as np
 
 from hybridrec.bundle import chain
 from hybridrec.bundle.features import FeatureSpec, RowError
+from hybridrec.data import kernels
 from hybridrec.data.tabular import PARQUET_SUFFIXES, describe_bad_line
 from hybridrec.errors import UserError
 from hybridrec.serving.predictor import Predictor
@@ -49,8 +50,9 @@ class PredictionsWriter:
         self.close()
 
 
-def line_chunks(handle, chunk_bytes: int):
-    """(numpy uint8 buffer of whole lines, each ending in a newline) chunk by chunk."""
+def line_chunks(handle, chunk_bytes: int, schema):
+    """(numpy uint8 buffer of whole records, each ending in a newline outside quotes) chunk by
+    chunk."""
     carry = b""
     while True:
         data = handle.read(chunk_bytes)
@@ -59,7 +61,8 @@ def line_chunks(handle, chunk_bytes: int):
                 yield np.frombuffer(carry + b"\n", np.uint8)
             return
         data = carry + data
-        end = data.rfind(b"\n")
+        end = kernels.complete_records(np.frombuffer(data, np.uint8), len(data), ord(schema.delimiter),
+                                       schema.quote_byte) - 1
         if end < 0:
             carry = data
             continue
@@ -92,19 +95,20 @@ def predict_file(bundle, data, out, version: int | None = None, strict: bool = F
     first_line = 1
     if schema.header:
         header = _first_line(data).decode("utf-8", errors="replace")
-        layout = features.layout(header.split(schema.delimiter), where)
+        layout = features.layout(schema.split_header(header), where)
     else:
-        layout = features.layout_for_fields(_first_line(data).count(schema.delimiter.encode()) + 1, where)
+        first = _first_line(data).decode("utf-8", errors="replace")
+        layout = features.layout_for_fields(len(schema.split_header(first)), where)
     rows = scored = bad_total = 0
     with open(data, "rb") as handle, PredictionsWriter(out, predictor.score_columns) as writer:
         if schema.header:
             handle.readline()
             first_line = 2
         first_row = 0
-        for buffer in line_chunks(handle, chunk_bytes):
-            batch, bad, lines = features.parse(layout, buffer, len(buffer), first_row)
-            scores = np.full((lines, len(predictor.score_columns)), np.nan, np.float32)
-            is_row = np.zeros(lines, bool)
+        for buffer in line_chunks(handle, chunk_bytes, schema):
+            batch, bad, records, lines = features.parse(layout, buffer, len(buffer), first_row)
+            scores = np.full((records, len(predictor.score_columns)), np.nan, np.float32)
+            is_row = np.zeros(records, bool)
             if batch is not None:
                 at = batch.sample_ids.astype(np.int64) - first_row
                 for start in range(0, len(batch), batch_rows):
@@ -123,7 +127,7 @@ def predict_file(bundle, data, out, version: int | None = None, strict: bool = F
                 bad_total += len(bad)
             writer.write(scores[is_row])
             rows += int(is_row.sum())
-            first_row += lines
+            first_row += records
             first_line += lines
     return {"rows": rows, "scored": scored, "bad_rows": bad_total, "version": predictor.number}
 

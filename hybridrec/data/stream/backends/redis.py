@@ -325,7 +325,7 @@ class RedisSource(StreamSource):
         buffer = np.frombuffer(data, dtype=np.uint8)
         kinds, slots = layout
         columns = self._line_columns if kind == 0 else self._field_columns
-        batch, rejected, _ = parse_line_buffer(self.context.schema, kinds, slots, buffer, len(buffer), 0,
+        batch, rejected, _, _ = parse_line_buffer(self.context.schema, kinds, slots, buffer, len(buffer), 0,
                                                (0, len(lines)))
         seen = np.zeros(len(lines), bool)
         for row in rejected:
