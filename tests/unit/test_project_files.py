@@ -150,3 +150,10 @@ def test_every_link_to_a_section_finds_its_heading():
             if not linked.is_file() or anchor not in _anchors(linked):
                 broken.append(f"{page.relative_to(REPO)}: ({target}#{anchor})")
     assert not broken, "links to sections that do not exist:\n" + "\n".join(broken)
+
+
+def test_no_two_test_files_share_a_name():
+    # the test folders are not packages, so pytest imports each file under its base name: two files
+    # of one name stop the whole suite at collection ("import file mismatch")
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []
