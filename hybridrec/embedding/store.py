@@ -573,6 +573,30 @@ class EmbeddingStore:
                 self.meta[found.rows, K.M_COUNT] = meta[part, K.M_COUNT]
                 self.meta[found.rows, K.M_CLOCK] = meta[part, K.M_CLOCK]
 
+    def rows_where(self, select) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the rows ([n, row_width]: embedding and optimizer state) and metadata records
+        of the live keys for which `select(keys)` (a bool array over uint64 keys) is true: what
+        `insert_rows` puts into another store (a PS moving or replicating buckets)."""
+        with self._lock:
+            live = self.live_rows()
+            chosen = live[np.asarray(select(self.r64[live, 0].copy()), dtype=bool)]
+            return self.rows[chosen].copy(), self.meta[chosen].copy()
+
+    def remove_where(self, select) -> int:
+        """Drop the live keys for which `select(keys)` is true (rows, index entries and LRU
+        links, as expiry drops them); returns how many. Row numbers change, as with `expire`."""
+        with self._lock:
+            live = self.live_rows()
+            chosen = live[np.asarray(select(self.r64[live, 0].copy()), dtype=bool)]
+            if len(chosen) == 0:
+                return 0
+            lowest = np.iinfo(np.int32).min  # no lookup call stamps a row so: only the chosen ones
+            self.meta[chosen, K.M_STAMP] = lowest
+            self.scalars[S_DIRTY] = 1
+            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, lowest)
+            self.scalars[S_DIRTY] = 0
+            return int(dropped)
+
     # ---------------------------------------------------------------- introspection
     def __len__(self) -> int:
         return int(self.parts[:, K.PT_SIZE].sum())

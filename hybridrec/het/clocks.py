@@ -31,7 +31,7 @@ with the clock of the last read of that key by another trainer (`max_gap` in the
 every such gap in the reply's histogram `gaps`; `gap_histogram()` has all of them).
 
 Trainer side: `HetBackend` routes a step's write-backs, fetches and checks of every table to the
-shards with the global `route`, sends one request per shard (several in order only past
+shards by the PS client's static bucket table (`hybridrec.embedding.buckets`), sends one request per shard (several in order only past
 `max_keys_per_request` keys) and puts the answers back in order, counting the payload bytes
 of vectors (rows, gradients and their keys) and of clocks (every clock, the keys of checks and
 the check flags) apart. `WorkerClockClient` reports and reads SSP's worker clocks on shard 0.
@@ -48,7 +48,8 @@ from numba import njit
 
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Message, Operation, request_all
-from hybridrec.embedding import EmbeddingStore, route
+from hybridrec.embedding import EmbeddingStore
+from hybridrec.embedding.buckets import shard_of, static_owners
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.metrics import StalenessHistogram
@@ -396,6 +397,7 @@ class HetBackend:
         self.max_keys_per_request = max_keys_per_request
         self.counts = WireCounts()
         self._route_ids = {t: table_route_id(t) for t in self.dims}
+        self._owners = static_owners(self.num_shards)
 
     @classmethod
     def over(cls, client, worker: int) -> "HetBackend":
@@ -414,7 +416,7 @@ class HetBackend:
         """Positions of `keys` by shard (each in key order)."""
         if self.num_shards == 1:
             return [np.arange(len(keys))]
-        shard = route(keys, self._route_ids[table], self.num_shards)
+        shard = shard_of(keys, self._route_ids[table], self._owners)  # the PS client's static table
         order = np.argsort(shard, kind="stable")
         bounds = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
         return [order[bounds[s]:bounds[s + 1]] for s in range(self.num_shards)]

@@ -1,18 +1,22 @@
 """PSClient: pull and push embedding rows on a set of PS shards as if they were one table.
 
-Keys are deduplicated, routed to shards with the project's one global hash
-`route(keys, table_id, num_shards)` (Persia's shuffled, uniform partition), sent to every
-shard at once (one socket per server: send all, then receive all) and the rows are put back
-in the caller's key order. Gradients of equal keys are summed before they leave. Rows and
+Keys are deduplicated, put in virtual buckets by the project's one global hash
+(`hybridrec.embedding.buckets`: Persia's shuffled, uniform partition) and routed to servers
+by the newest routing table the client has seen (`hybridrec.ps.routing`; at first the static
+table over `addresses`), sent to every server at once (one socket per server: send all, then
+receive all) and the rows are put back in the caller's key order. A server that no longer
+serves some bucket of a request answers with its newer table instead; the client takes it and
+sends those keys again (`_routed`), so servers may be added, removed or lost while it runs. Gradients of equal keys are summed before they leave. Rows and
 gradients travel with the job's value codec ("none" or "fp16"). `lookup_tables` and
 `push_tables` carry every table of a batch in one request per shard (`lookup`/`push` are the
 one-table case). Lookups, stats, checkpoint, load, ping and dense init/pull are retried after
-a timeout; pushes are not (a retried push could apply twice). Checkpoints and loads run in the
+a timeout; pushes only when the routing table gives their buckets a backup (with their id,
+which the backup knows when it applied them already). Checkpoints and loads run in the
 background on the servers: the client polls them until done (`job_timeout`), and a retry, even
 to a server restarted meanwhile, resumes the same one.
 
 Dense parameters (`dense_init`, `dense_pull`, `dense_push`) live on shard
-crc32(name) % num_shards; see `hybridrec.ps.dense`.
+crc32(name) % len(addresses) of the addresses the client was made with; see `hybridrec.ps.dense`.
 
 Not thread-safe: use one PSClient per thread.
 """
@@ -22,7 +26,6 @@ from __future__ import annotations
 import secrets
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -32,10 +35,11 @@ from numba import njit
 from hybridrec.comm.auth import FROM_ENVIRONMENT
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import Client, Message, check_addresses, request_all
-from hybridrec.embedding import route
+from hybridrec.embedding.buckets import shard_of
 from hybridrec.embedding.dedupe import first_seen_unique
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.ps.dense import check_optimizer, check_tensors
+from hybridrec.ps.routing import RoutingTable
 
 
 @njit(cache=True, nogil=True)
@@ -52,19 +56,6 @@ def _group_by_shard(shard, num_shards, order, bounds, local):
         order[cursor[s]] = u
         local[u] = cursor[s] - bounds[s]
         cursor[s] += 1
-
-
-@njit(cache=True, nogil=True)
-def _place_rows(out, part_rows, shard_id, first, shard, local, inverse):
-    """out[i] = the returned row of key i, for the keys of shard `shard_id` whose index in
-    that shard's key list lies in [first, first + len(part_rows))."""
-    end = first + part_rows.shape[0]
-    for i in range(inverse.shape[0]):
-        u = inverse[i]
-        if shard[u] == shard_id and first <= local[u] < end:
-            row = local[u] - first
-            for j in range(out.shape[1]):
-                out[i, j] = part_rows[row, j]
 
 
 @njit(cache=True, nogil=True)
@@ -110,31 +101,13 @@ def _check_keys(keys: np.ndarray, what: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(keys)
 
 
-@dataclass(frozen=True)
-class _Fanout:
-    """How one batch of keys is spread over the shards (see `PSClient._route`)."""
-
-    unique_keys: np.ndarray  # uint64[U], first-seen order
-    inverse: np.ndarray  # int64[n]: keys[i] == unique_keys[inverse[i]]
-    shard: np.ndarray  # int64[U]: shard of each unique key
-    order: np.ndarray  # int64[U]: unique keys grouped by shard
-    bounds: np.ndarray  # int64[S+1]: shard s holds order[bounds[s]:bounds[s+1]]
-    local: np.ndarray  # int64[U]: index of each unique key within its shard's request
-
-    def busy_shards(self) -> list[int]:
-        return [s for s in range(len(self.bounds) - 1) if self.bounds[s + 1] > self.bounds[s]]
-
-    def of_shard(self, s: int) -> np.ndarray:
-        return self.order[self.bounds[s]:self.bounds[s + 1]]
-
-
 class PSClient:
     """One logical embedding service over `addresses` (shard i = addresses[i]); `key`: the job
     key (`hybridrec.comm.auth`), by default the environment's."""
 
     def __init__(self, addresses: Sequence[str], *, timeout: float = 10.0, retries: int = 2,
                  value_codec: str = "none", max_keys_per_request: int = 16384, key=FROM_ENVIRONMENT,
-                 job_timeout: float = 3600.0, **codec_options: Any):
+                 job_timeout: float = 3600.0, reroute_timeout: float = 60.0, **codec_options: Any):
         addresses = check_addresses(addresses)
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
@@ -143,145 +116,249 @@ class PSClient:
             raise ValueError(f"job_timeout must be > 0 seconds, got {job_timeout!r}")
         self.max_keys_per_request, self.job_timeout = max_keys_per_request, float(job_timeout)
         self.codec = make_value_codec(value_codec, **codec_options)
-        self._clients = [Client(a, timeout=timeout, retries=retries, key=key) for a in self.addresses]
+        self.timeout, self.retries, self._key = timeout, retries, key
+        self.reroute_timeout = float(reroute_timeout)
+        self._connections: dict[str, Client] = {}
+        self._clients = [self._client(a) for a in self.addresses]
+        self.routing = RoutingTable.static(self.addresses)
+        self._route_ids: dict[str, int] = {}
+        self._client_id, self._push_sequence = secrets.token_hex(8), 0
         self._dims: dict[str, int] = {}
         self.bytes_sent = self.bytes_received = 0  # array payload of embedding lookups and pushes
-
-    def _exchange(self, requests: list, idempotent: bool) -> list[Message]:
-        """`request_all`, counting the array payload each way."""
-        self.bytes_sent += sum(a.nbytes for _, _, arrays, _ in requests for a in arrays.values())
-        replies = request_all(requests, idempotent=idempotent)
-        self.bytes_received += sum(a.nbytes for reply in replies for a in reply.arrays.values())
-        return replies
+        self.redirects = self.routing_changes = 0  # requests sent again; routing tables taken
 
     @property
     def num_shards(self) -> int:
-        return len(self._clients)
+        """The servers of the current routing table."""
+        return len(self.routing.addresses)
 
     @property
     def shards(self) -> list[Client]:
-        """The transport client of each shard, in shard order (for operations this class does
-        not wrap, such as HET's in `hybridrec.het.clocks`)."""
-        return list(self._clients)
+        """The transport client of each server of the current routing table, in its order (for
+        operations this class does not wrap, such as HET's in `hybridrec.het.clocks`, which
+        route by the static table: HET jobs keep their servers)."""
+        return [self._client(a) for a in self.routing.addresses]
 
     def tables(self) -> list[str]:
         """The names of the tables the shards serve."""
-        self._dims.update(self._clients[0].request("ping", idempotent=True).meta["tables"])
+        self._dims.update(self.shards[0].request("ping", idempotent=True).meta["tables"])
         return sorted(self._dims)
 
     def _broadcast(self, op: str, meta_of_shard=lambda shard: {}, idempotent: bool = True) -> list[Message]:
-        return request_all([(c, op, {}, meta_of_shard(i)) for i, c in enumerate(self._clients)],
-                           idempotent=idempotent)
+        """`op` to every server of the current routing table."""
+        return request_all([(c, op, {}, meta_of_shard(i)) for i, c in enumerate(self.shards)], idempotent=idempotent)
 
     def dim(self, table: str) -> int:
         """The row width of `table`, asked of the first shard once."""
         if table not in self._dims:
-            tables = self._clients[0].request("ping", idempotent=True).meta["tables"]
+            tables = self.shards[0].request("ping", idempotent=True).meta["tables"]
             self._dims.update(tables)
             if table not in self._dims:
                 raise ValueError(f"table {table!r} is not served; tables: {sorted(tables)}")
         return self._dims[table]
 
-    def _route(self, table: str, keys: np.ndarray, unique: bool = False) -> "_Fanout":
-        """Deduplicate `keys` (unless the caller made them `unique` already) and group the unique
-        ones by shard."""
-        unique_keys, inverse = (keys, np.arange(len(keys), dtype=np.int64)) if unique else first_seen_unique(keys)
-        shard = route(unique_keys, table_route_id(table), self.num_shards)
-        order = np.empty(len(unique_keys), dtype=np.int64)
-        bounds = np.empty(self.num_shards + 1, dtype=np.int64)
-        local = np.empty(len(unique_keys), dtype=np.int64)
-        _group_by_shard(shard, self.num_shards, order, bounds, local)
-        return _Fanout(unique_keys, inverse, shard, order, bounds, local)
+    # ------------------------------------------------------------------ routing
+    def _set_routing(self, table: RoutingTable) -> None:
+        self.routing = table
+        self.routing_changes += 1
 
-    def _parts(self, fanout: "_Fanout") -> list[tuple[int, int, np.ndarray]]:
-        """(shard, first index in the shard's keys, unique-key indices) of every request.
+    def refresh_routing(self) -> bool:
+        """Ask every server this client knows of for its routing table and keep the newest;
+        True when it is newer than the one held. A server that does not answer is passed over."""
+        known = list(dict.fromkeys([*self.routing.addresses, *self.addresses]))
+        newest = self.routing
+        for address, reply in zip(known, self._each([(self._client(a), "routing", {}, {}) for a in known])):
+            if isinstance(reply, Message):
+                table = RoutingTable.from_wire(reply.arrays, reply.meta)
+                if table is not None and table.version > newest.version:
+                    newest = table
+        if newest is self.routing:
+            return False
+        self._set_routing(newest)
+        return True
 
-        A shard's keys go in requests of at most `max_keys_per_request`, all sent at once, so
-        the server computes one part while the previous one is on the wire.
-        """
-        parts = []
-        for s in fanout.busy_shards():
-            picked = fanout.of_shard(s)
-            for first in range(0, len(picked), self.max_keys_per_request):
-                parts.append((s, first, picked[first:first + self.max_keys_per_request]))
-        return parts
+    def _client(self, address: str) -> Client:
+        if address not in self._connections:
+            self._connections[address] = Client(address, timeout=self.timeout, retries=self.retries, key=self._key)
+        return self._connections[address]
 
-    def _requests(self, fanouts: Sequence["_Fanout"]) -> list[tuple[int, list[tuple[int, int, np.ndarray]]]]:
-        """(shard, [(table index, first index in the shard's keys of it, unique-key indices)]) of
-        every request: all tables of a shard in one request, unless together they exceed
-        `max_keys_per_request` keys; then in several, a table larger than that split over some."""
-        by_shard: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(self.num_shards)]
-        for t, fanout in enumerate(fanouts):
-            for s, first, picked in self._parts(fanout):
-                by_shard[s].append((t, first, picked))
+    def _each(self, requests: list) -> list:
+        """Send every (client, op, arrays, meta), then collect each reply or the exception that
+        ended its wait (one server failing does not lose the others' replies)."""
+        pending = []
+        for client, op, arrays, meta in requests:
+            try:
+                pending.append(client.send(op, arrays, meta))
+            except (TimeoutError, OSError) as error:
+                pending.append(error)
+        replies = []
+        for (client, *_), request_id in zip(requests, pending):
+            if isinstance(request_id, BaseException):
+                replies.append(request_id)
+                continue
+            try:
+                replies.append(client.receive(request_id))
+            except (TimeoutError, OSError) as error:
+                replies.append(error)
+        return replies
+
+    def _shard_of(self, table: str, keys: np.ndarray) -> np.ndarray:
+        return shard_of(keys, self._route_id(table), self.routing.owners)
+
+    def _route_id(self, table: str) -> int:
+        if table not in self._route_ids:
+            self._route_ids[table] = table_route_id(table)
+        return self._route_ids[table]
+
+    def _requests(self, tables: list[str], unique_keys: list[np.ndarray],
+                  pending: list[np.ndarray]) -> list[tuple[int, list[tuple[int, np.ndarray]]]]:
+        """(server, [(table index, unique-key indices)]) of every request for the `pending`
+        unique keys of each table under the current routing table: all tables of a server in
+        one request, unless together they exceed `max_keys_per_request` keys; then in several,
+        a table larger than that split over some. A server's requests all go at once, so it
+        computes one while the previous one is on the wire."""
+        servers = len(self.routing.addresses)
+        by_server: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(servers)]
+        for t, picked in enumerate(pending):
+            if len(picked) == 0:
+                continue
+            shard = self._shard_of(tables[t], unique_keys[t][picked])
+            order = np.empty(len(picked), dtype=np.int64)
+            bounds = np.empty(servers + 1, dtype=np.int64)
+            _group_by_shard(shard, servers, order, bounds, np.empty(len(picked), dtype=np.int64))
+            for s in range(servers):
+                mine = picked[order[bounds[s]:bounds[s + 1]]]
+                for first in range(0, len(mine), self.max_keys_per_request):
+                    by_server[s].append((t, mine[first:first + self.max_keys_per_request]))
         requests = []
-        for s, parts in enumerate(by_shard):
-            current: list[tuple[int, int, np.ndarray]] = []
+        for s, parts in enumerate(by_server):
+            current: list[tuple[int, np.ndarray]] = []
             size = 0
             for part in parts:
-                if current and size + len(part[2]) > self.max_keys_per_request:
+                if current and size + len(part[1]) > self.max_keys_per_request:
                     requests.append((s, current))
                     current, size = [], 0
                 current.append(part)
-                size += len(part[2])
+                size += len(part[1])
             if current:
                 requests.append((s, current))
         return requests
 
-    def _route_tables(self, keys_by_table: Mapping[str, np.ndarray],
-                      unique: bool = False) -> tuple[list[str], list[np.ndarray], list["_Fanout"]]:
-        """Tables, their checked keys and their fanouts, in the order of `keys_by_table`."""
+    def _routed(self, op: str, tables: list[str], unique_keys: list[np.ndarray], meta: dict[str, Any],
+                receive, grads: list[np.ndarray] | None = None) -> None:
+        """Send `op` for every unique key of every table to the servers the routing table names,
+        `receive(server, parts, reply)` each answer that carries data; the keys of a request a
+        server refused (their buckets moved) go again by the newer table, until every key is
+        served or `reroute_timeout` passes.
+
+        A push carries an id. A push whose server was lost (its connection closed or timed out)
+        goes again whole, with the same id, to the one server that now holds all its buckets
+        (with replication, their backup, which remembers the ids of the pushes forwarded to
+        it), so it is applied exactly once; without a backup it is not retried."""
+        pending = [np.arange(len(k), dtype=np.int64) for k in unique_keys]
+        resend: list[tuple[list[tuple[int, np.ndarray]], dict, dict]] = []  # lost pushes: parts, arrays, meta
+        deadline, delay = time.monotonic() + self.reroute_timeout, 0.005
+        while any(len(p) for p in pending) or resend:
+            batch = []  # (server, parts, arrays, meta)
+            for parts, arrays, part_meta in resend:
+                servers = {int(s) for t, picked in parts for s in np.unique(self._shard_of(tables[t], unique_keys[t][picked]))}
+                if len(servers) == 1:
+                    batch.append((servers.pop(), parts, arrays, part_meta))
+                else:  # its keys went different ways: sent afresh (a forwarded copy would apply twice)
+                    for t, picked in parts:
+                        pending[t] = np.concatenate([pending[t], picked])
+            resend = []
+            for s, parts in self._requests(tables, unique_keys, pending):
+                arrays = {f"keys.{i}": unique_keys[t][picked] for i, (t, picked) in enumerate(parts)}
+                part_meta = {**meta, "tables": [tables[t] for t, _ in parts], "codec": self.codec.name}
+                if grads is not None:
+                    encoded = [self.codec.encode(grads[t][picked], argument=f"grads of table {tables[t]!r}")
+                               for t, picked in parts]
+                    for i, one in enumerate(encoded):
+                        arrays.update(part_arrays(i, one.arrays))
+                    part_meta["codec_meta"] = [one.meta for one in encoded]
+                    self._push_sequence += 1
+                    part_meta["push_id"] = [self._client_id, self._push_sequence]
+                batch.append((s, parts, arrays, part_meta))
+            requests = [(self._client(self.routing.addresses[s]), op, arrays, part_meta)
+                        for s, _, arrays, part_meta in batch]
+            self.bytes_sent += sum(a.nbytes for _, _, arrays, _ in requests for a in arrays.values())
+            replies = self._each(requests)
+            again: list[list[np.ndarray]] = [[] for _ in tables]
+            newer, lost = False, None
+            for (s, parts, arrays, part_meta), reply in zip(batch, replies):
+                if isinstance(reply, Message) and not reply.meta.get("moved"):
+                    self.bytes_received += sum(a.nbytes for a in reply.arrays.values())
+                    receive(s, parts, reply)
+                    continue
+                self.redirects += 1
+                if isinstance(reply, Message):
+                    table = RoutingTable.from_wire(reply.arrays, reply.meta)
+                    if table is not None and table.version > self.routing.version:
+                        self._set_routing(table)
+                        newer = True
+                    for t, picked in parts:
+                        again[t].append(picked)
+                    continue
+                lost = reply
+                if grads is None:
+                    for t, picked in parts:
+                        again[t].append(picked)
+                elif self.routing.replicated:
+                    resend.append((parts, arrays, part_meta))
+                else:
+                    raise reply  # a push without a backup to fail over to: not retried (it may have applied)
+            pending = [np.concatenate(p) if p else np.empty(0, np.int64) for p in again]
+            if not any(len(p) for p in pending) and not resend:
+                break
+            if not newer and not self.refresh_routing():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{op}: keys of {sorted({tables[t] for t, p in enumerate(pending) if len(p)})} "
+                                       f"found no server that serves them within {self.reroute_timeout:.0f}s "
+                                       f"(routing version {self.routing.version}; last error: {lost!r})")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.2)
+
+    def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True,
+                      unique: bool = False) -> dict[str, np.ndarray]:
+        """{table: float32 [len(keys), dim] rows in the order of its keys} (absent keys read as zeros).
+
+        One request per server carries every table (more only past `max_keys_per_request`
+        keys). `unique`: each table's keys are distinct already (a batch layout's), so they are
+        not deduplicated again.
+        """
+        tables, unique_keys, inverses = self._dedupe(keys_by_table, unique)
+        rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, unique_keys)]
+
+        def receive(s: int, parts, reply: Message) -> None:
+            codec_meta = reply.meta.get("codec_meta")
+            address = self.routing.addresses[s] if s < len(self.routing.addresses) else s
+            if not isinstance(codec_meta, list) or len(codec_meta) != len(parts):
+                raise ValueError(f"server {address} answered codec_meta {codec_meta!r:.200} for {len(parts)} tables")
+            for (t, picked), arrays, meta in zip(parts, split_parts(reply.arrays, len(parts)), codec_meta):
+                part_rows = self.codec.decode(Encoded(reply.meta.get("codec"), arrays, meta))
+                if part_rows.shape != (len(picked), rows[t].shape[1]):
+                    raise ValueError(f"server {address} answered {part_rows.shape} rows of table {tables[t]!r} "
+                                     f"for {len(picked)} keys of dim {rows[t].shape[1]}")
+                rows[t][picked] = part_rows
+
+        self._routed("lookup_many", tables, unique_keys, {"insert": bool(insert)}, receive)
+        return {t: r if inverse is None else r[inverse] for t, r, inverse in zip(tables, rows, inverses)}
+
+    def _dedupe(self, keys_by_table: Mapping[str, np.ndarray],
+                unique: bool) -> tuple[list[str], list[np.ndarray], list[np.ndarray | None]]:
+        """Tables, their unique keys (first-seen order) and each key's index among them (None:
+        the keys are unique already), in the order of `keys_by_table`."""
         if not isinstance(keys_by_table, Mapping):
             raise TypeError(f"expected a dict of table name -> keys, got {type(keys_by_table).__name__}")
         tables = list(keys_by_table)
         keys = [_check_keys(keys_by_table[t], f"keys of table {t!r}") for t in tables]
         for table in tables:
             self.dim(table)  # every table is served
-        return tables, keys, [self._route(t, k, unique) for t, k in zip(tables, keys)]
-
-    def _many_requests(self, op: str, tables: list[str], fanouts: list["_Fanout"], meta: dict[str, Any],
-                       grads: list[np.ndarray] | None = None):
-        """The plan of `_requests` and its (client, op, arrays, meta) requests; with `grads`
-        (summed per unique key, one array per table) each request carries them encoded."""
-        plan = self._requests(fanouts)
-        requests = []
-        for s, parts in plan:
-            arrays = {f"keys.{i}": fanouts[t].unique_keys[picked] for i, (t, _, picked) in enumerate(parts)}
-            part_meta = {**meta, "tables": [tables[t] for t, _, _ in parts], "codec": self.codec.name}
-            if grads is not None:
-                encoded = [self.codec.encode(grads[t][picked], argument=f"grads of table {tables[t]!r}")
-                           for t, _, picked in parts]
-                for i, one in enumerate(encoded):
-                    arrays.update(part_arrays(i, one.arrays))
-                part_meta["codec_meta"] = [one.meta for one in encoded]
-            requests.append((self._clients[s], op, arrays, part_meta))
-        return plan, requests
-
-    def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True,
-                      unique: bool = False) -> dict[str, np.ndarray]:
-        """{table: float32 [len(keys), dim] rows in the order of its keys} (absent keys read as zeros).
-
-        One request per shard carries every table (more only past `max_keys_per_request` keys).
-        `unique`: each table's keys are distinct already (a batch layout's), so they are not
-        deduplicated again.
-        """
-        tables, keys, fanouts = self._route_tables(keys_by_table, unique)
-        plan, requests = self._many_requests("lookup_many", tables, fanouts, {"insert": bool(insert)})
-        replies = self._exchange(requests, idempotent=True)
-        rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, keys)]
-        for (s, parts), reply in zip(plan, replies):
-            codec_meta = reply.meta.get("codec_meta")
-            if not isinstance(codec_meta, list) or len(codec_meta) != len(parts):
-                raise ValueError(f"shard {s} ({self.addresses[s]}) answered codec_meta {codec_meta!r} "
-                                 f"for {len(parts)} tables")
-            for (t, first, picked), arrays, meta in zip(parts, split_parts(reply.arrays, len(parts)), codec_meta):
-                part_rows = self.codec.decode(Encoded(reply.meta.get("codec"), arrays, meta))
-                if part_rows.shape != (len(picked), rows[t].shape[1]):
-                    raise ValueError(f"shard {s} ({self.addresses[s]}) answered {part_rows.shape} rows of "
-                                     f"table {tables[t]!r} for {len(picked)} keys of dim {rows[t].shape[1]}")
-                _place_rows(rows[t], np.ascontiguousarray(part_rows), s, first, fanouts[t].shard,
-                            fanouts[t].local, fanouts[t].inverse)
-        return dict(zip(tables, rows))
+        if unique:
+            return tables, keys, [None] * len(tables)
+        pairs = [first_seen_unique(k) for k in keys]
+        return tables, [u for u, _ in pairs], [inverse for _, inverse in pairs]
 
     def lookup(self, table: str, keys: np.ndarray, insert: bool = True) -> np.ndarray:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
@@ -291,8 +368,8 @@ class PSClient:
         """Send {table: (keys, grads)} (one row per key; equal keys are summed, unless the caller
         says the keys are `unique` already); returns dropped updates.
 
-        A dropped update is a key the shard no longer holds (evicted or never admitted). Every
-        table is checked before anything is sent, and each shard checks its whole request
+        A dropped update is a key the server no longer holds (evicted or never admitted). Every
+        table is checked before anything is sent, and each server checks its whole request
         before applying any of it.
         """
         if not isinstance(grads_by_table, Mapping):
@@ -300,21 +377,30 @@ class PSClient:
         for table, pair in grads_by_table.items():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise TypeError(f"grads_by_table[{table!r}] must be a (keys, grads) tuple, got {type(pair).__name__}")
-        tables, keys, fanouts = self._route_tables({t: pair[0] for t, pair in grads_by_table.items()}, unique)
+        tables, unique_keys, inverses = self._dedupe({t: pair[0] for t, pair in grads_by_table.items()}, unique)
         summed = []
-        for table, table_keys, fanout in zip(tables, keys, fanouts):
+        for table, table_keys, inverse in zip(tables, unique_keys, inverses):
             grads, dim = grads_by_table[table][1], self.dim(table)
-            if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (len(table_keys), dim):
+            count = len(table_keys) if inverse is None else len(inverse)
+            if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.shape != (count, dim):
                 raise ValueError(
-                    f"grads of table {table!r} must be a float32 array of shape ({len(table_keys)}, {dim}), "
+                    f"grads of table {table!r} must be a float32 array of shape ({count}, {dim}), "
                     f"got {getattr(grads, 'dtype', type(grads).__name__)} {getattr(grads, 'shape', '')}"
                 )
             if not np.isfinite(grads).all():
                 raise ValueError(f"grads of table {table!r} hold NaN or inf; nothing was sent")
-            summed.append(np.zeros((len(fanout.unique_keys), dim), dtype=np.float32))
-            _sum_by_unique(np.ascontiguousarray(grads), fanout.inverse, summed[-1])
-        _, requests = self._many_requests("push_many", tables, fanouts, {}, summed)
-        return sum(int(reply.meta["dropped"]) for reply in self._exchange(requests, idempotent=False))
+            if inverse is None:
+                summed.append(np.ascontiguousarray(grads))
+            else:
+                summed.append(np.zeros((len(table_keys), dim), dtype=np.float32))
+                _sum_by_unique(np.ascontiguousarray(grads), inverse, summed[-1])
+        dropped = [0]
+
+        def receive(s: int, parts, reply: Message) -> None:
+            dropped[0] += int(reply.meta["dropped"])
+
+        self._routed("push_many", tables, unique_keys, {}, receive, summed)
+        return dropped[0]
 
     def push(self, table: str, keys: np.ndarray, grads: np.ndarray) -> int:
         """Send gradients (one row per key; equal keys are summed); returns dropped updates.
@@ -329,7 +415,7 @@ class PSClient:
         """One `op` request per shard holding some of `names`; the arrays the shards answer."""
         by_shard: dict[int, list[str]] = {}
         for name in names:
-            by_shard.setdefault(dense_shard(name, self.num_shards), []).append(name)
+            by_shard.setdefault(dense_shard(name, len(self.addresses)), []).append(name)
         requests = [(self._clients[s], op, {n: arrays[n] for n in group if n in arrays},
                      {**meta, "names": group}) for s, group in by_shard.items()]
         answered: dict[str, np.ndarray] = {}
@@ -393,7 +479,8 @@ class PSClient:
         deadline = time.monotonic() + self.job_timeout
         waiting, delay = list(range(self.num_shards)), 0.05
         while True:
-            requests = [(self._clients[s], op, {}, {"directory": directories[s], "token": token}) for s in waiting]
+            shards = self.shards
+            requests = [(shards[s], op, {}, {"directory": directories[s], "token": token}) for s in waiting]
             replies = request_all(requests, idempotent=True)
             waiting = [s for s, reply in zip(waiting, replies) if reply.meta.get("state") == "running"]
             if not waiting:
@@ -409,7 +496,7 @@ class PSClient:
         self._broadcast("shutdown", idempotent=False)
 
     def close(self) -> None:
-        for client in self._clients:
+        for client in self._connections.values():
             client.close()
 
     def __enter__(self) -> "PSClient":

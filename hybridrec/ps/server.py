@@ -77,6 +77,7 @@ from hybridrec.ps.client import part_arrays, split_parts
 from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
+from hybridrec.ps.ownership import BucketOwnership
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
 LISTENING = " listening on "  # what `main` prints, with the address, once it serves
@@ -145,7 +146,8 @@ class EmbeddingServer(Service):
     def __init__(self, stores: dict[str, EmbeddingStore], *, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 2, dense_params: Mapping[str, Sequence[int]] | None = None,
                  checkpoint_root: str | Path | None = None, max_keys_per_request: int = MAX_KEYS_PER_REQUEST,
-                 key: JobKey | None = FROM_ENVIRONMENT, max_trainers: int = MAX_WORLD, max_connections: int = 256):
+                 key: JobKey | None = FROM_ENVIRONMENT, max_trainers: int = MAX_WORLD, max_connections: int = 256,
+                 routed: bool = False, state_dir: Path | None = None):
         if not isinstance(max_keys_per_request, int) or max_keys_per_request < 1:
             raise ValueError(f"max_keys_per_request must be an int >= 1, got {max_keys_per_request!r}")
         if not isinstance(max_trainers, int) or not 1 <= max_trainers <= MAX_WORLD:
@@ -173,6 +175,8 @@ class EmbeddingServer(Service):
             "load": Operation(self._load),
             "shutdown": Operation(self._shutdown),
         }
+        self.ownership = BucketOwnership(self._current_stores, routed=routed, state_dir=state_dir)
+        operations.update(self.ownership.operations())
         self.clock_ops = ClockOps(self._stores_of, self._count_keys, max_trainers)
         operations.update(self.clock_ops.operations())
         limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
@@ -186,6 +190,10 @@ class EmbeddingServer(Service):
             self.checkpoints.root.close()
 
     # ------------------------------------------------------------------ operations
+    def _current_stores(self) -> dict[str, EmbeddingStore]:
+        with self._swap:
+            return dict(self.stores)
+
     def _store(self, meta: dict[str, Any]) -> tuple[str, EmbeddingStore]:
         table = meta.get("table")
         with self._swap:
@@ -248,7 +256,11 @@ class EmbeddingServer(Service):
         insert = self._insert(request.meta)
         codec = make_value_codec(request.meta.get("codec", "none"))
         self._count_keys([request.arrays["keys"]])
-        encoded = codec.encode(store.pull(np.ascontiguousarray(request.arrays["keys"]), insert=insert))
+        with self.ownership.lock.shared():
+            moved = self.ownership.refusal("lookup", [request.meta["table"]], [request.arrays["keys"]])
+            if moved is not None:
+                return moved
+            encoded = codec.encode(store.pull(np.ascontiguousarray(request.arrays["keys"]), insert=insert))
         return Message("lookup", encoded.arrays, {"codec": codec.name, "codec_meta": encoded.meta})
 
     def _push(self, request: Message) -> Message:
@@ -260,7 +272,11 @@ class EmbeddingServer(Service):
         self._count_keys([keys])
         codec = make_value_codec(request.meta.get("codec", "none"))
         grads = self._grads(store, keys, codec, arrays, request.meta.get("codec_meta", {}), f"table {table!r}")
-        return Message("push", meta={"dropped": int(store.push(np.ascontiguousarray(keys), grads))})
+        with self.ownership.lock.shared():
+            moved = self.ownership.refusal("push", [table], [keys])
+            if moved is not None:
+                return moved
+            return Message("push", meta={"dropped": int(store.push(np.ascontiguousarray(keys), grads))})
 
     def _lookup_many(self, request: Message) -> Message:
         stores = self._stores_of(request.meta)
@@ -272,10 +288,14 @@ class EmbeddingServer(Service):
             raise ValueError(f"lookup_many takes only arrays keys.0..keys.{len(stores) - 1}, "
                              f"also got {sorted(arrays)}")
         reply, codec_meta = {}, []
-        for i, (store, table_keys) in enumerate(zip(stores, keys)):
-            encoded = codec.encode(store.pull(table_keys, insert=insert))
-            reply.update(part_arrays(i, encoded.arrays))
-            codec_meta.append(encoded.meta)
+        with self.ownership.lock.shared():
+            moved = self.ownership.refusal("lookup_many", request.meta["tables"], keys)
+            if moved is not None:
+                return moved
+            for i, (store, table_keys) in enumerate(zip(stores, keys)):
+                encoded = codec.encode(store.pull(table_keys, insert=insert))
+                reply.update(part_arrays(i, encoded.arrays))
+                codec_meta.append(encoded.meta)
         return Message("lookup_many", reply, {"codec": codec.name, "codec_meta": codec_meta})
 
     def _push_many(self, request: Message) -> Message:
@@ -292,7 +312,11 @@ class EmbeddingServer(Service):
         # Check every table before applying any, so a bad request changes nothing.
         grads = [self._grads(store, k, codec, part, m, f"table {i} ({t!r})")
                  for i, (store, k, part, m, t) in enumerate(zip(stores, keys, parts, codec_meta, tables))]
-        dropped = sum(store.push(k, g) for store, k, g in zip(stores, keys, grads))
+        with self.ownership.lock.shared():
+            moved = self.ownership.refusal("push_many", tables, keys)
+            if moved is not None:
+                return moved
+            dropped = sum(store.push(k, g) for store, k, g in zip(stores, keys, grads))
         return Message("push_many", meta={"dropped": int(dropped)})
 
     def _dense_init(self, request: Message) -> Message:

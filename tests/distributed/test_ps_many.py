@@ -55,13 +55,13 @@ def batch(seed):
 
 def count_requests(monkeypatch):
     sizes = []
-    original = client_module.request_all
+    original = client_module.PSClient._each
 
-    def counting(requests, **kwargs):
+    def counting(self, requests):
         sizes.append([op for _, op, _, _ in requests])
-        return original(requests, **kwargs)
+        return original(self, requests)
 
-    monkeypatch.setattr(client_module, "request_all", counting)
+    monkeypatch.setattr(client_module.PSClient, "_each", counting)
     return sizes
 
 

@@ -1,0 +1,104 @@
+"""Elastic PS servers in one process: buckets move between servers while a client pulls and
+pushes, and no update is lost or applied twice (plain SGD, lr 1: a row is its first value minus
+the sum of every gradient pushed to it)."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hybridrec.comm.transport import Client, RemoteError
+from hybridrec.ps import PSClient, serve
+from hybridrec.ps.migration import Coordinator
+
+SGD = {"name": "sgd", "lr": 1.0}
+TABLES = {"user": {"dim": 4, "capacity": 50_000, "optimizer": SGD, "seed": 1},
+          "item": {"dim": 2, "capacity": 50_000, "optimizer": SGD, "seed": 2}}
+KEYS = 3000
+
+
+@pytest.fixture(scope="module")
+def servers():
+    running = [serve(tables=TABLES, block=False, key=None) for _ in range(3)]
+    try:
+        yield running
+    finally:
+        for server in running:
+            server.stop(timeout=5)
+
+
+class Ledger:
+    """The client's side of the sums: every gradient it pushed, per table and key."""
+
+    def __init__(self, client, base):
+        self.client, self.base = client, base
+        self.keys = base + np.arange(KEYS, dtype=np.uint64)
+        self.first = {t: client.lookup(t, self.keys) for t in TABLES}
+        self.sums = {t: np.zeros_like(rows) for t, rows in self.first.items()}
+
+    def push(self, seed):
+        rng = np.random.default_rng(seed)
+        picked = rng.integers(0, KEYS, 200)
+        grads = {t: rng.integers(-3, 4, (200, spec["dim"])).astype(np.float32) for t, spec in TABLES.items()}
+        self.client.push_tables({t: (self.keys[picked], g) for t, g in grads.items()})
+        for t, g in grads.items():
+            np.add.at(self.sums[t], picked, g)
+
+    def check(self):
+        for t in TABLES:
+            np.testing.assert_allclose(self.client.lookup(t, self.keys, insert=False), self.first[t] - self.sums[t],
+                                       atol=1e-4, err_msg=f"table {t}: an update was lost or applied twice")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(client_ops=st.lists(st.tuples(st.sampled_from(["push", "lookup"]), st.integers(0, 2**16)), min_size=4,
+                           max_size=25),
+       moves=st.lists(st.sets(st.integers(0, 2), min_size=1), min_size=1, max_size=4),
+       batch=st.sampled_from([16, 256, 4096]))
+def test_random_interleavings_of_pulls_pushes_and_bucket_moves_never_lose_or_double_an_update(
+        servers, client_ops, moves, batch):
+    addresses = [s.address for s in servers]
+    coordinator = Coordinator(addresses, list(TABLES), key=None, batch=batch)
+    coordinator.table = coordinator.newest() or coordinator.table
+    coordinator.start()
+    base = np.uint64(np.random.default_rng().integers(1, 2**40)) << np.uint64(16)
+    with PSClient(coordinator.table.addresses, key=None) as client:
+        ledger = Ledger(client, base)
+        errors = []
+
+        def run_client():
+            try:
+                for op, seed in client_ops:
+                    ledger.push(seed) if op == "push" else client.lookup("user", ledger.keys[seed % KEYS:][:50])
+            except BaseException as error:  # reported by the test thread
+                errors.append(error)
+
+        thread = threading.Thread(target=run_client)
+        thread.start()
+        for chosen in moves:
+            coordinator.scale_to([addresses[i] for i in sorted(chosen)])
+        thread.join(60)
+        assert not thread.is_alive() and not errors, errors
+        ledger.check()
+        assert client.routing.version <= coordinator.table.version
+    coordinator.close()
+
+
+def test_a_server_refuses_a_bucket_it_does_not_own_with_its_newer_table_and_survives_bad_moves(servers):
+    addresses = [s.address for s in servers]
+    coordinator = Coordinator(addresses[:1], list(TABLES), key=None)
+    coordinator.table = coordinator.newest(addresses) or coordinator.table
+    coordinator.start()
+    final = coordinator.scale_to(addresses[:2])
+    with PSClient(addresses, key=None) as stale:  # the static table over 3 servers: wrong owners
+        keys = np.arange(500, dtype=np.uint64)
+        stale.lookup("user", keys)
+        assert stale.routing.version == final.version and stale.redirects > 0
+    with Client(addresses[0], key=None) as raw:
+        with pytest.raises(RemoteError, match="bucket"):
+            raw.request("bucket_import", {"buckets": np.array([1, 1])}, {"tables": ["user"]})
+        with pytest.raises(RemoteError, match="rows"):
+            raw.request("bucket_import", {"buckets": np.array([1]), "0.rows": np.zeros((1, 3), np.float32)},
+                        {"tables": ["user"]})
+        assert raw.request("ping").meta["pid"]
+    coordinator.close()
