@@ -12,7 +12,11 @@ only keeps the table, with every per-key step in numba kernels over numpy arrays
   CheckValid bound (c_c <= c_s + s); each miss gets a row, taking a victim by the policy when the
   table is full. A victim that holds updates is copied out (key, c_c, accumulated gradient) for
   the write-back. Returns each key's row and status (HIT, SYNC: fails the first bound, MISS).
-* `fill(rows_of, values, clocks)`: the fetched rows (c_s = c_c = c_g, no accumulated gradient).
+  With `keep` = 1 the rows of the read before are kept too (its batch is still training) and the
+  first bound counts that batch's coming update of them.
+* `fill(rows_of, values, clocks)`: the fetched rows (c_s = c_c = c_g, no accumulated gradient);
+  `refill` the same for rows whose write-back was taken before the fetch, keeping the updates
+  accumulated since the take.
 * `gather(rows_of, out)`: the vectors the dense step trains on.
 * `accumulate(rows_of, grads, lr)`: Het.Write: the gradient is added to the accumulated one, the
   cached vector takes a plain SGD step at `lr` (read-my-updates), and c_c advances by one.
@@ -214,16 +218,16 @@ def _forget(r, freq, tick, prev, nxt, heads, tails, heap, hpos, state):
 
 
 @njit(cache=True, nogil=True)
-def _victim(stamp, now, freq, tick, prev, tails, cursor, heap, hpos, state, aside, n_aside):
-    """The entry the policy evicts next among those this read does not use, or -1; also the
-    new count of `aside`. LFU: roots this read uses are popped into `aside` (pushed back when
+def _victim(stamp, oldest, freq, tick, prev, tails, cursor, heap, hpos, state, aside, n_aside):
+    """The entry the policy evicts next among those no read since read `oldest` uses (this read,
+    and the one before it while that read's batch trains), or -1; also the new count of `aside`. LFU: roots this read uses are popped into `aside` (pushed back when
     the read ends). Lists: `cursor[b]` is where the walk from bucket b's tail stopped, so the
     entries this read uses are passed over once per read, not once per miss."""
     policy = state[ST_POLICY]
     if policy == LFU:
         while state[ST_HEAP] > 0:
             r = heap[0]
-            if stamp[r] != now:
+            if stamp[r] < oldest:
                 return r, n_aside
             _heap_remove(heap, hpos, freq, tick, state, r)
             aside[n_aside] = r
@@ -232,7 +236,7 @@ def _victim(stamp, now, freq, tick, prev, tails, cursor, heap, hpos, state, asid
     buckets = state[ST_BUCKETS] if policy == LIGHT_LFU else 1
     for b in range(buckets):
         r = cursor[b]
-        while r >= 0 and stamp[r] == now:
+        while r >= 0 and stamp[r] >= oldest:
             r = prev[r]
         if r >= 0:
             cursor[b] = prev[r]  # r leaves the list: the walk goes on before it
@@ -240,7 +244,7 @@ def _victim(stamp, now, freq, tick, prev, tails, cursor, heap, hpos, state, asid
         cursor[b] = -1
     if policy == LIGHT_LFU:  # only pinned entries are left to give
         for r in range(state[ST_SIZE]):
-            if freq[r] < 0 and stamp[r] != now:
+            if freq[r] < 0 and stamp[r] < oldest:
                 return r, n_aside
     return -1, n_aside
 
@@ -248,12 +252,14 @@ def _victim(stamp, now, freq, tick, prev, tails, cursor, heap, hpos, state, asid
 # ---------------------------------------------------------------- the read and write kernels
 
 @njit(cache=True, nogil=True)
-def begin_read(keys, staleness, kcache, index, cs, cc, acc, stamp, freq, tick, prev, nxt, heads, tails,
+def begin_read(keys, staleness, keep, kcache, index, cs, cc, acc, stamp, freq, tick, prev, nxt, heads, tails,
                heap, hpos, state, counters, rows_of, status, ev_keys, ev_clocks, ev_grads):
     """Probe the distinct `keys` of one read (see the module doc). Fills rows_of and status per
-    key, and the evicted rows that held updates into ev_*; returns (evicted with updates, error)."""
+    key, and the evicted rows that held updates into ev_*; returns (evicted with updates, error).
+    No row the last `keep` reads used is evicted (1: the previous read's batch is still training)."""
     state[ST_READ] += 1
     now = state[ST_READ]
+    oldest = now - keep
     capacity = kcache.shape[0]
     ns = index.shape[0]
     row_bits = state[ST_ROW_BITS]
@@ -270,10 +276,13 @@ def begin_read(keys, staleness, kcache, index, cs, cc, acc, stamp, freq, tick, p
             misses += 1
             continue
         rows_of[u] = r
-        if stamp[r] != now:
+        prior = stamp[r]
+        if prior != now:
             stamp[r] = now
             _on_use(r, freq, tick, prev, nxt, heads, tails, heap, hpos, state, counters)
-        if cc[r] > cs[r] + staleness:  # CheckValid, first bound
+        # the training batch's write is still to come on the rows it read: count it in
+        coming = 1 if keep > 0 and prior == now - 1 else 0
+        if cc[r] + coming > cs[r] + staleness:  # CheckValid, first bound
             status[u] = SYNC
             counters[CT_SYNCS] += 1
         else:
@@ -305,7 +314,7 @@ def begin_read(keys, staleness, kcache, index, cs, cc, acc, stamp, freq, tick, p
             r = size
             state[ST_SIZE] = size + 1
         else:
-            r, n_aside = _victim(stamp, now, freq, tick, prev, tails, cursor, heap, hpos, state, aside, n_aside)
+            r, n_aside = _victim(stamp, oldest, freq, tick, prev, tails, cursor, heap, hpos, state, aside, n_aside)
             if r < 0:
                 err = ERR_FULL
                 break
@@ -350,6 +359,24 @@ def fill(vec, cs, cc, acc, rows_of, values, clocks):
             acc[r, d] = 0.0
         cs[r] = clocks[i]
         cc[r] = clocks[i]
+
+
+@njit(cache=True, nogil=True)
+def refill(vec, cs, cc, acc, rows_of, values, clocks, taken_clocks, taken_grads, lr):
+    """Fetched rows whose write-back (c_c and gradient in taken_*, zero for a miss) was taken
+    before the fetch: what accumulated since the take stays (a batch training while the next
+    one's read is in flight writes into its rows): acc -= taken, c_c = c_g + the updates since,
+    and the server's row takes the local SGD step of those updates (read-my-updates)."""
+    dim = vec.shape[1]
+    lr32 = np.float32(lr)
+    for i in range(rows_of.shape[0]):
+        r = rows_of[i]
+        for d in range(dim):
+            rest = acc[r, d] - taken_grads[i, d]
+            acc[r, d] = rest
+            vec[r, d] = values[i, d] - lr32 * rest
+        cc[r] = clocks[i] + (cc[r] - taken_clocks[i])
+        cs[r] = clocks[i]
 
 
 @njit(cache=True, nogil=True)
@@ -432,10 +459,10 @@ class CacheTable:
     def __len__(self) -> int:
         return int(self.state[ST_SIZE])
 
-    def begin_read(self, keys: np.ndarray, staleness: int | None):
+    def begin_read(self, keys: np.ndarray, staleness: int | None, keep: int = 0):
         """(rows_of int32[n], status uint8[n], evicted keys, their c_c, their gradients) for the
-        distinct `keys` of a read; `staleness` None is s = infinity. ValueError when the read has
-        more distinct keys than the table has rows."""
+        distinct `keys` of a read; `staleness` None is s = infinity; no row of the last `keep`
+        reads is evicted. ValueError when the read's keys do not fit beside those rows."""
         n = keys.shape[0]
         rows_of = np.empty(n, np.int32)
         status = np.empty(n, np.uint8)
@@ -443,7 +470,7 @@ class CacheTable:
         ev_clocks = np.empty(n, np.int64)
         ev_grads = np.empty((n, self.dim), np.float32)
         s = INFINITE if staleness is None else np.int64(staleness)
-        n_ev, err = begin_read(keys, s, self.keys, self.index, self.cs, self.cc, self.acc, self.stamp, self.freq,
+        n_ev, err = begin_read(keys, s, np.int64(keep), self.keys, self.index, self.cs, self.cc, self.acc, self.stamp, self.freq,
                                self.tick, self.prev, self.next, self.heads, self.tails, self.heap, self.hpos,
                                self.state, self.counters, rows_of, status, ev_keys, ev_clocks, ev_grads)
         if err == ERR_FULL:
@@ -452,6 +479,13 @@ class CacheTable:
 
     def fill(self, rows_of: np.ndarray, values: np.ndarray, clocks: np.ndarray) -> None:
         fill(self.vec, self.cs, self.cc, self.acc, rows_of, values, clocks.astype(np.int64, copy=False))
+
+    def refill(self, rows_of: np.ndarray, values: np.ndarray, clocks: np.ndarray, taken_clocks: np.ndarray,
+               taken_grads: np.ndarray, lr: float) -> None:
+        """`fill` for rows whose write-back (`take`) went out before the fetch, keeping what was
+        accumulated since (see the kernel)."""
+        refill(self.vec, self.cs, self.cc, self.acc, rows_of, values, clocks.astype(np.int64, copy=False),
+               taken_clocks, taken_grads, float(lr))
 
     def gather(self, rows_of: np.ndarray) -> np.ndarray:
         out = np.empty((rows_of.shape[0], self.dim), np.float32)

@@ -1,9 +1,12 @@
-"""HET's stream of ready batches (Algorithm 1 in the training thread): Het.Read of a batch's
-distinct keys, the step, Het.Write of its gradients (into the cache; nothing is sent).
+"""HET's stream of ready batches (Algorithm 1): Het.Read of a batch's distinct keys, the step,
+Het.Write of its gradients (into the cache; nothing is sent).
 
 A loader thread reads the next batches and deduplicates their keys (the batch layout) while the
-current one trains, so each step starts with its keys known and sends one request per PS shard
-(two when a clock check failed). The cache lives as long as the job (`HetTrainer`): `drain`
+current one trains, and a reader thread runs the next batch's read (its write-backs, fetches and
+clock checks: one request per PS shard, two when a clock check failed) while the current one
+trains, as HET's prefetch does (`HetWorker.begin`); the training thread only gathers the rows
+from the cache, after the previous batch's write. When the next batch's keys do not fit a cache
+beside the training batch's rows, its read waits for the write instead. The cache lives as long as the job (`HetTrainer`): `drain`
 (before every evaluation and checkpoint, and at the end of each epoch) flushes it, writing every
 accumulated gradient back, so a checkpoint holds every update and nothing is lost. A trainer that
 dies loses only what its cache held unflushed; the restarted group resumes from the last
@@ -19,6 +22,7 @@ gap (`clock_gaps`).
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -27,7 +31,7 @@ from hybridrec.embedding.inputs import Pulled
 from hybridrec.embedding.optim import P_LR
 from hybridrec.embedding.stream import ReadyBatch
 from hybridrec.errors import UserError
-from hybridrec.het.worker import HetWorker, TableSpec
+from hybridrec.het.worker import HetRead, HetWorker, TableSpec
 from hybridrec.metrics import StalenessHistogram
 
 SUMMED = ("reads", "hits", "misses", "invalidations", "evictions", "dirty_evictions", "write_backs", "fetches",
@@ -109,18 +113,50 @@ class HetStream:
         self._start = self._worker.stats()
         self.staleness: list[int] = []
         self.figures: dict = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="het-read")
+        self._pending: Future | None = None
 
-    def __iter__(self) -> Iterator[ReadyBatch]:
+    def _batches(self) -> Iterator[tuple]:
+        """(index, batch, the distinct keys per table) of the batches to train."""
         looked_up = 0
         for index, batch, layout in self._loader:
             if index < self._skip:
                 continue
             if self._limit is not None and looked_up >= self._limit:
                 return
-            read = self._worker.read({table: layout.unique[table] for table in layout.tables()})
+            looked_up += 1
+            yield index, batch, layout, {table: layout.unique[table] for table in layout.tables()}
+
+    def _begin(self, keys: dict, training: HetRead | None) -> Future:
+        """The read of `keys` in the reader thread while `training`'s batch trains when both fit
+        the caches together; else a finished future that `_read` completes after the write."""
+        if training is not None and self._worker.can_read_ahead(keys, training):
+            return self._reader.submit(self._worker.begin, keys, 1)
+        done = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, pending: Future, keys: dict) -> HetRead:
+        """The gathered read of `keys`: the reader's, or a fresh one when it could not run ahead or
+        a flush has emptied the caches it read into since."""
+        read = pending.result()
+        if read is None or read.generation != self._worker.generation:
+            read = self._worker.begin(keys)
+        return self._worker.gather(read)
+
+    def __iter__(self) -> Iterator[ReadyBatch]:
+        batches = self._batches()
+        current = next(batches, None)
+        pending = self._begin(current[3], None) if current is not None else None
+        while current is not None:
+            index, batch, layout, keys = current
+            read = self._read(pending, keys)
+            self._pending = None
+            current = next(batches, None)
+            if current is not None:  # the next batch's read runs while this one trains
+                pending = self._pending = self._begin(current[3], read)
             looked = Pulled("unique", read.values, layout.batch_size, layout.num_features, batch_layout=layout,
                             handle=read)
-            looked_up += 1
             self.staleness.append(0)
             yield ReadyBatch(index, batch, looked, 0)
 
@@ -131,13 +167,23 @@ class HetStream:
     def skip(self, ready: ReadyBatch) -> None:
         """`ready` will not be trained: its entries were read, nothing was written."""
 
+    def _settle(self) -> None:
+        """Wait for the read in flight (its rows are in the caches; an error it met is raised
+        when its batch is read)."""
+        if self._pending is not None:
+            wait([self._pending])
+
     def drain(self, timeout: float | None = None) -> None:
-        """Flush the caches: every accumulated gradient reaches the servers."""
+        """Flush the caches: every accumulated gradient reaches the servers (a read in flight
+        ends first; its batch is read again after the flush)."""
+        self._settle()
         self._worker.flush()
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        yield  # every read runs in the training thread
+        # the next batch's read may be in flight: it inserts that batch's keys on the servers and
+        # writes back earlier updates only; `drain` waits for it before the flush
+        yield
 
     def stats(self) -> dict:
         now = self._worker.stats()
@@ -145,4 +191,6 @@ class HetStream:
         return {"lost_batches": 0, "unacknowledged_updates": 0, **delta}
 
     def close(self) -> None:
+        self._settle()
+        self._reader.shutdown(wait=True)
         self._loader.close()

@@ -179,6 +179,59 @@ def test_with_sgd_every_gradient_reaches_the_servers(sequence, staleness, capaci
     assert sum(w.backend.counts.dropped for w in workers) == 0
 
 
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_a_read_ahead_of_the_training_batchs_write_sees_and_keeps_that_write(staleness):
+    """HET's prefetch (the stream's reader thread): the next batch's read begins before the
+    current batch's write, which lands while that read's exchange is in flight (the refill path),
+    and its rows are gathered after the write. With one trainer and sgd every read then gives
+    exactly what reads one after another give, each gathered row within the first bound, and after
+    the flush the servers hold every gradient; the training batch's rows are never evicted by the
+    read ahead. With s = 0 (BSP) no read runs ahead."""
+    lr = 0.5
+    rng = np.random.default_rng(5)
+    batches = [np.unique(rng.zipf(1.3, 10) % 40).astype(np.uint64) for _ in range(40)]
+    grads = [{t: rng.normal(size=(len(k), d)).astype(np.float32) for t, d in TABLES.items()} for k in batches]
+    (seq_stores,), (sequential,) = _job(1, staleness, 20, ("lfu",), lr=lr)
+    stores, (ahead,) = _job(1, staleness, 20, ("lfu",), lr=lr)
+    inner, due = ahead.backend._exchange, []
+
+    def exchange(requests, idempotent):  # the training thread's write lands mid-exchange
+        while due:
+            ahead.write(*due.pop())
+        return inner(requests, idempotent)
+
+    ahead.backend._exchange = exchange
+    current = ahead.gather(ahead.begin({t: batches[0] for t in TABLES}))
+    for step, keys in enumerate(batches):
+        expected = sequential.read({t: keys for t in TABLES})
+        for t in TABLES:
+            np.testing.assert_allclose(current.values[t], expected.values[t], atol=1e-5)
+        sequential.write(expected, grads[step])
+        if step + 1 == len(batches):
+            ahead.write(current, grads[step])
+            break
+        following = {t: batches[step + 1] for t in TABLES}
+        if ahead.can_read_ahead(following, current):
+            due.append((current, grads[step]))
+            pending = ahead.begin(following, keep=1)
+            assert not due  # the write went in while the read was in flight
+        else:
+            ahead.write(current, grads[step])
+            pending = ahead.begin(following)
+        current = ahead.gather(pending)
+        for t in TABLES:
+            assert all(c_c <= c_s + staleness for c_s, c_c in _entries(ahead, t, batches[step + 1]))
+    sequential.flush()
+    ahead.flush()
+    keys = np.unique(np.concatenate(batches))
+    for t in TABLES:
+        np.testing.assert_allclose(stores[0][t].pull(keys, insert=False), seq_stores[t].pull(keys, insert=False),
+                                   atol=1e-5)
+    assert ahead.stats()["invalidations"] > 0 and ahead.stats()["evictions"] > 0
+    _, (bsp,) = _job(1, 0, 20, ("lfu",))
+    assert not bsp.can_read_ahead({t: batches[1] for t in TABLES}, bsp.read({t: batches[0] for t in TABLES}))
+
+
 def test_with_sgd_over_the_wire_two_trainers_lose_nothing():
     """The same with real PS servers (two shards over loopback) and small caches, so that reads
     evict, entries fail the bounds, and several requests are needed per exchange."""
