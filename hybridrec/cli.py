@@ -1,5 +1,5 @@
 """The `hybridrec` command: train, eval, export, predict, serve, data synth, models, plan, bench,
-serve-ps, embedding-worker, launch.
+serve-ps, embedding-worker, group-ps, launch.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are
@@ -65,12 +65,14 @@ def cmd_train(args) -> int:
 
 def _train_distributed(args, cfg) -> int:
     """A distributed strategy's roles started on this machine, as `hybridrec launch` would."""
-    from hybridrec.parallel.launch import command_line, launch, role_counts
+    from hybridrec.parallel.launch import launch
+    from hybridrec.parallel.roles import command_line, role_counts
 
     counts = role_counts(cfg)
     print(f"hybridrec train: strategy {cfg.strategy.record()} runs as several processes; starting them here: "
-          f"{command_line(args.config, counts, args.set)}", flush=True)
-    code = launch(args.config, **counts, overrides=args.set, resume=args.resume, overwrite=args.overwrite)
+          f"{command_line(args.config, counts, args.set)}{' --no-job-key' if args.no_job_key else ''}", flush=True)
+    code = launch(args.config, **counts, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
+                  job_key=not args.no_job_key)
     if code == 0:
         print(f"final metrics: {cfg.train.output_dir}/final_metrics.json")
     return code
@@ -173,16 +175,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_serve_ps(args) -> int:
-    from hybridrec.ps.server import main as serve_main
+def cmd_server_role(args) -> int:
+    """serve-ps, embedding-worker, group-ps: the server role's own entry (hybridrec.parallel.roles)."""
+    from hybridrec.parallel.roles import server_role
 
-    return serve_main(args.rest, prog="hybridrec serve-ps") or 0
-
-
-def cmd_embedding_worker(args) -> int:
-    from hybridrec.persia.embedding_worker import main as worker_main
-
-    return worker_main(args.rest, prog="hybridrec embedding-worker") or 0
+    return server_role(args.command).run(args.rest)
 
 
 def cmd_launch(args) -> int:
@@ -197,7 +194,7 @@ def cmd_launch(args) -> int:
         return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
                       overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
                       max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
-                      emulation=emulated_hosts.from_arguments(args))
+                      emulation=emulated_hosts.from_arguments(args), job_key=not args.no_job_key)
     except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
         print(f"hybridrec launch: error: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +209,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _add_job_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-job-key", action="store_true",
+                        help="distributed jobs: serve without the job key that every role otherwise gets, new per "
+                             "job (loopback only; any local user can then call the servers: see docs/distributed.md, "
+                             "Security)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrec", description="Train CTR models whose embeddings outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start over in a train.output_dir that holds an earlier run (deletes its checkpoints)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
+    _add_job_key_argument(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the test data",
@@ -327,12 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
     # every option after serve-ps belongs to the server's own parser (see main)
     p = sub.add_parser("serve-ps", help="run an embedding parameter-server process", add_help=False,
                        description="Run an embedding PS server (options: hybridrec serve-ps --help).")
-    p.set_defaults(func=cmd_serve_ps, rest=[])
+    p.set_defaults(func=cmd_server_role, rest=[])
 
     # likewise, every option after embedding-worker belongs to the worker's own parser
     p = sub.add_parser("embedding-worker", help="run a Persia embedding-worker process", add_help=False,
                        description="Run an embedding worker (options: hybridrec embedding-worker --help).")
-    p.set_defaults(func=cmd_embedding_worker, rest=[])
+    p.set_defaults(func=cmd_server_role, rest=[])
+
+    # and after group-ps, the group PS's own
+    p = sub.add_parser("group-ps", help="run a Hierarchical Training group PS process", add_help=False,
+                       description="Run a group PS (options: hybridrec group-ps --help).")
+    p.set_defaults(func=cmd_server_role, rest=[])
 
     p = sub.add_parser("launch", help="run every role of a distributed job on this machine",
                        description="Start N PS servers, E embedding workers and K trainers (under torchrun) "
@@ -356,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role-restarts", type=int, default=3, metavar="M",
                    help="restarts of each PS server and embedding worker before the job fails (default 3)")
     p.add_argument("--host", default="127.0.0.1", help="interface the PS servers and embedding workers bind")
+    _add_job_key_argument(p)
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop the whole job after this long (exit code 124); default: no limit")
     p.add_argument("--ray", metavar="ADDRESS",
@@ -372,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("serve-ps", "embedding-worker"):
+    if args.command in ("serve-ps", "embedding-worker", "group-ps"):
         args.rest = extra  # argparse's REMAINDER does not take leading options such as --port
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

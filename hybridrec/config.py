@@ -396,12 +396,14 @@ class RoleResources(_Section):
 
 class ResourcesSection(_Section):
     """Resources per process of each role, keyed as `roles` is: `ps_servers`,
-    `embedding_workers`, `trainers` (each `cpus`, `gpus`, `memory_gb`). PS servers and embedding
-    workers run on CPUs only, so they may not ask for GPUs."""
+    `embedding_workers`, `trainers`, and `group_ps` (Hierarchical Training's group PSs, each
+    `cpus`, `gpus`, `memory_gb`). PS servers and embedding workers run on CPUs only, so they may
+    not ask for GPUs."""
 
     ps_servers: RoleResources = RoleResources()
     embedding_workers: RoleResources = RoleResources()
     trainers: RoleResources = RoleResources()
+    group_ps: RoleResources = RoleResources()
 
     @model_validator(mode="after")
     def _gpus_for_trainers_only(self):

@@ -137,7 +137,8 @@ class Job:
     def _launch(self, cfg: JobConfig, resume: bool, overwrite: bool) -> dict:
         """Every role of a distributed job started on this machine (hybridrec.parallel.launch),
         each building the model and loss from their import paths."""
-        from hybridrec.parallel.launch import launch, role_counts
+        from hybridrec.parallel.launch import launch
+        from hybridrec.parallel.roles import role_counts
 
         for what, held, key in (("model", self._module, "model.name"), ("loss", self._loss, "model.loss")):
             if held is not None:

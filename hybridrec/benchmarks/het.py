@@ -228,7 +228,7 @@ def report(raw: dict[str, list[dict]], rates: dict | None) -> dict:
 
 
 def run_benchmark(args) -> dict:
-    from hybridrec.parallel.launch import check_config
+    from hybridrec.parallel.roles import check_config
 
     cfg = check_config(args.config, args.set)
     if cfg.strategy.roles.trainers != 2:

@@ -330,7 +330,7 @@ def sweep(args: argparse.Namespace) -> list:
 
 def run_benchmark(args: argparse.Namespace, points: Sequence = (None,)) -> list[dict]:
     """Runs every job at each point of the sweep; one report per point. JobFailed when a job fails."""
-    from hybridrec.parallel.launch import check_config
+    from hybridrec.parallel.roles import check_config
 
     check_config(args.config, args.set)  # a wrong config or --set fails here, before any job
     if args.keep:

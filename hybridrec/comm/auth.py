@@ -181,16 +181,6 @@ def write_key_file(path: str | Path, key: JobKey | None = None) -> JobKey:
     return key
 
 
-def launcher_environment(host: str) -> dict[str, str] | None:
-    """The environment of every role `hybridrec launch` starts: off loopback, this process's
-    with a new job key in HYBRIDREC_AUTH_KEY; on loopback None (the roles inherit ours)."""
-    if is_loopback(host):
-        return None
-    environment = {name: value for name, value in os.environ.items() if name != AUTH_KEY_FILE_ENV}
-    environment[AUTH_KEY_ENV] = JobKey.new().secret
-    return environment
-
-
 FULL_STATUS = 500  # the ZAP status of a connection refused because the server serves as many as it may
 
 

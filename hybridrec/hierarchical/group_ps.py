@@ -1,10 +1,16 @@
 """A group PS of Hierarchical Training (HT §3): a process that holds its part of a group's ONE
 dense copy and runs the layers the operator placement put on it for every trainer of the group.
 
-The group's leader trainer starts it (`start_group_ps`) with a spec file: the units it runs
-(modules of the dense model, each with the prefix of its parameters' names in the whole model),
-the dense optimizer, the wire codec, and the addresses of the PS servers that hold the centre
-copy. Operations, over the job's authenticated transport:
+A launcher starts it as a server role (`hybridrec group-ps CONFIG --group G --index J ...`,
+hybridrec.parallel.roles), like the PS servers and embedding workers, before any trainer; the job
+config gives it the dense optimizer, the wire codec and its bounds, `--ps` the PS servers that
+hold the centre copy. It has no units until its group's first trainer sends them. Operations,
+over the job's authenticated transport:
+
+  setup     the leader's operator placement (meta `plan`) and the starting values of the units'
+            parameters (arrays): the group PS cuts the job's dense model as every trainer does
+            and runs the units placed on it (`plan_builder`); a second setup (a trainer group
+            started again) replaces them.
 
   forward   a trainer sends a unit's inputs (packed by the wire codec's forward half); the unit
             runs on them and the output goes back the same way. With `train: true` the autograd
@@ -23,31 +29,31 @@ dense staleness of a backward is the number of updates of its unit since its for
 
 A background thread pulls this process's parameters toward the centre by elastic averaging
 (hybridrec.hierarchical.elastic_averaging) every `period` updates; a part of a split FC layer
-syncs with its slice of the unsplit parameter (`slices`). The process exits when its parent
-trainer does.
+syncs with its slice of the unsplit parameter (`slices`). The process stops on SIGTERM (its
+launcher's teardown, or the kernel's when the launcher dies) or a `shutdown` request.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import subprocess
 import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
 
 from hybridrec.comm.transport import Message, Operation, Server, Service, check_addresses
 from hybridrec.ps.client import PSClient
-from hybridrec.ps.server import listening_address, run_until_stopped
 from hybridrec.models.dense_optimizer import optimizer_of
 from hybridrec.hierarchical.elastic_averaging import ElasticSync
 from hybridrec.comm.compression import WIRE_CODECS
+from hybridrec.hierarchical.net_transformation import placed_devices, plan_units, split_model, split_slices, unit_module
 from hybridrec.hierarchical.remote_wire import GradientSender, pack_tensors, unpack_tensors, wire_codec
 
 READY = "hybridrec-group-ps listening on "
@@ -76,17 +82,17 @@ class _Pending:
 
 
 class GroupPS(Service):
-    """The units of one group PS behind a transport Server (see the module docstring)."""
+    """The units of one group PS behind a transport Server (see the module docstring). Given
+    `units`, it runs them from the start; given `builder` instead (a group PS a launcher started),
+    it runs the units its group's first trainer's `setup` request describes: `builder(meta,
+    arrays)` gives (units, slices)."""
 
     def __init__(self, units: Sequence[Unit], optimizer: Mapping[str, Any], *, wire: str = "none",
                  topk_ratio: float = 0.01, centre: Sequence[str] = (), alpha: float = 0.1, period: int = 4,
                  slices: dict | None = None, host: str = "127.0.0.1", port: int = 0, threads: int = 2,
-                 timeout: float = 10.0, retries: int = 2, callers: int = 64, max_rows: int = 1 << 16):
-        self.units = {unit.name: unit for unit in units}
-        for unit in units:
-            unit.module.train()
-            params = list(unit.module.parameters())
-            unit.optimizer = optimizer_of(optimizer, params) if params else None
+                 timeout: float = 10.0, retries: int = 2, callers: int = 64, max_rows: int = 1 << 16,
+                 builder: Callable[[dict, dict], tuple[list[Unit], dict]] | None = None):
+        self.optimizer_settings, self.alpha, self.builder = dict(optimizer), alpha, builder
         self.forward_codec, self._make_backward = wire_codec(wire, topk_ratio)
         self.codecs = WIRE_CODECS[wire]  # (forward, backward): what requests may use
         self.callers, self.max_rows = callers, max_rows
@@ -96,16 +102,18 @@ class GroupPS(Service):
         self._count_lock = threading.Lock()
         self.counters = dict.fromkeys(("forwards", "backwards", "updates", "dropped_graphs", "bytes_received",
                                        "bytes_sent", "staleness_sum", "staleness_max"), 0)
-        self.params = {f"{unit.prefix}.{name}": p for unit in units for name, p in unit.module.named_parameters()}
         self.period, self.synced_at = period, 0
         self.centre = None
         if centre:
             self.centre = PSClient(check_addresses(list(centre), "centre"), timeout=timeout, retries=retries)
-        self.sync = None
-        if self.centre is not None:
-            self.sync = ElasticSync(self.params, self.centre, alpha, self._due, slices=slices)
+        self.units: dict[str, Unit] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.sync: ElasticSync | None = None
+        self._serving = False
+        self._install(units, slices)
         self.transport = Server({
             "ping": Operation(self._ping),
+            "setup": Operation(self._setup, arrays=None),
             "forward": Operation(self._forward, arrays=None),
             "backward": Operation(self._backward, arrays=None),
             "finish": Operation(self._finish),
@@ -113,18 +121,41 @@ class GroupPS(Service):
             "shutdown": Operation(self._shutdown),
         }, host=host, port=port, threads=threads)
 
+    def _install(self, units: Sequence[Unit], slices: dict | None) -> None:
+        """Run `units` from now on, each with its own optimizer, kept near the centre by an
+        elastic averaging thread of their own."""
+        for unit in units:
+            unit.module.train()
+            params = list(unit.module.parameters())
+            unit.optimizer = optimizer_of(self.optimizer_settings, params) if params else None
+        with self._pending_lock:
+            self.pending.clear()
+        self.senders.clear()
+        self.units = {unit.name: unit for unit in units}
+        self.params = {f"{unit.prefix}.{name}": p for unit in units for name, p in unit.module.named_parameters()}
+        self.synced_at = self.counters["updates"]
+        self.sync = None
+        if self.centre is not None and units:
+            self.sync = ElasticSync(self.params, self.centre, self.alpha, self._due, slices=slices)
+            if self._serving:
+                self.sync.start()
+
     def start(self) -> int:
         port = super().start()
+        self._serving = True
         if self.sync is not None:
             self.sync.start()
         return port
 
-    def _release(self) -> None:
+    def _stop_sync(self) -> None:
         if self.sync is not None:
             try:
                 self.sync.stop(timeout=10.0)
             except RuntimeError:
                 pass  # reported through `finish` and `stats` already
+
+    def _release(self) -> None:
+        self._stop_sync()
         if self.centre is not None:
             self.centre.close()
 
@@ -141,7 +172,20 @@ class GroupPS(Service):
                 self.counters[name] += amount
 
     # ------------------------------------------------------------------ operations
+    def _setup(self, request: Message) -> Message:
+        """The units this group PS runs from now on, as its group's first trainer describes them
+        (a trainer group started again after a failure sends them again: they replace the old)."""
+        if self.builder is None:
+            raise ValueError("setup: this group PS runs the units it was started with")
+        units, slices = self.builder(request.meta, request.arrays)
+        self._stop_sync()
+        self._install(units, slices)
+        return Message("setup", meta={"units": sorted(self.units)})
+
     def _unit(self, meta: dict) -> Unit:
+        if not self.units:
+            raise ValueError("this group PS has no units yet: its group's first trainer sends them (setup) "
+                             "before any trainer calls it")
         unit = self.units.get(meta.get("unit"))
         if unit is None:
             raise ValueError(f"meta unit {meta.get('unit')!r:.80} is not one of this group PS's units "
@@ -260,50 +304,89 @@ class GroupPS(Service):
 
 
 # ------------------------------------------------------------------------------------ the process
-def write_spec(path: str | Path, units: Sequence[Unit], optimizer: Mapping[str, Any], **settings: Any) -> Path:
-    """The file `start_group_ps` hands its process: the units (modules with their weights) and
-    the settings of `GroupPS`. Written by the leader trainer for its own child only."""
-    path = Path(path)
-    torch.save({"units": [(u.name, u.prefix, u.module) for u in units], "optimizer": dict(optimizer),
-                "settings": settings}, path)
-    return path
+SETUP_FAULTS = (ValueError, TypeError, KeyError, IndexError, AttributeError)  # a plan that does not fit the model
 
 
-def _exit_with_parent(server: GroupPS, parent: int) -> None:
-    while not server.wait(0.5):
-        if os.getppid() != parent:
-            server.transport.request_stop()
-            return
+def plan_builder(make_model: Callable[[], nn.Module], index: int) -> Callable[[dict, dict], tuple[list[Unit], dict]]:
+    """What a launcher-started group PS does with its `setup` request: meta `plan` (the leader's
+    plan: `modules`, `splits`, `devices`) cuts the job's dense model (`make_model()`) as every
+    trainer cuts it, this group PS (`index` among its group's) takes the units placed on it, and
+    the request's arrays give the values of their parameters (named as in the whole split model)."""
+
+    def build(meta: dict, arrays: dict) -> tuple[list[Unit], dict]:
+        plan = meta.get("plan")
+        if not isinstance(plan, dict) or not {"modules", "splits", "devices"} <= set(plan):
+            raise ValueError("setup takes meta plan: {modules, splits, devices} (the leader's operator placement)")
+        try:
+            split = split_model(make_model(), plan["splits"])
+            units = plan_units(split, placed_devices(plan["modules"], plan["splits"], plan["devices"]))
+            mine = [Unit(u.name, u.prefix, unit_module(split, u)) for u in units if u.device == index]
+            slices = split_slices(split, plan["splits"])
+        except SETUP_FAULTS as error:
+            raise ValueError(f"setup: the plan does not fit this job's dense model ({error!r:.200})") from None
+        params = {f"{u.prefix}.{name}": p for u in mine for name, p in u.module.named_parameters()}
+        if set(arrays) != set(params):
+            raise ValueError(f"setup takes the values of this group PS's parameters {sorted(params)}, got "
+                             f"{sorted(arrays)[:20]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                value = arrays[name]
+                if tuple(value.shape) != tuple(param.shape) or value.dtype != np.float32:
+                    raise ValueError(f"setup: {name} takes float32 of shape {list(param.shape)}, got "
+                                     f"{value.dtype} of shape {list(value.shape)}")
+                param.copy_(torch.from_numpy(np.asarray(value)))
+        return mine, {name: where for name, where in slices.items() if name in params}
+
+    return build
 
 
-def start_group_ps(spec: str | Path, *, host: str = "127.0.0.1", env: Mapping[str, str] | None = None,
-                   startup_timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start a group PS process from a spec file (`write_spec`); (process, address) once it
-    listens. The caller owns the process; it also exits by itself when the caller dies."""
-    process = subprocess.Popen([sys.executable, "-m", "hybridrec.hierarchical.group_ps", "--spec", str(spec),
-                                "--host", host, "--parent", str(os.getpid())], stdout=subprocess.PIPE, text=True,
-                               env=None if env is None else dict(env))
-    return process, listening_address(process, READY, f"group PS from {spec}", startup_timeout)
+def setup_request(plan: dict, units: Sequence[Unit]) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and meta of the `setup` request that gives a group PS `units` (modules at the
+    values it starts from) under `plan` (`plan_builder` reads it)."""
+    arrays = {f"{u.prefix}.{name}": p.detach().cpu().numpy().astype(np.float32, copy=True)
+              for u in units for name, p in u.module.named_parameters()}
+    return arrays, {"plan": {key: plan[key] for key in ("modules", "splits", "devices")}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridrec.hierarchical.group_ps",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--spec", required=True, help="the spec file the leader trainer wrote (write_spec)")
+def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.hierarchical.group_ps") -> int:
+    """A group PS as a launcher starts it (`hybridrec group-ps`, hybridrec.parallel.roles): empty
+    until its group's first trainer sends the units (`setup`), with every setting from the job
+    config."""
+    from hybridrec.config import load_config
+    from hybridrec.job.tables import job_dense_model, job_tables
+    from hybridrec.ps.server import run_until_stopped
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="the job's YAML config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--group", type=int, required=True, help="the group this group PS serves")
+    parser.add_argument("--index", type=int, required=True, help="which of its group's strategy.ht.group_ps it is")
+    parser.add_argument("--trainers-per-group", type=int, required=True, help="the trainers that call it")
+    parser.add_argument("--ps", required=True, help="the PS servers holding the centre copy (comma-separated)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--parent", type=int, default=None, help="exit when this process is no longer the parent")
     args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        centre = check_addresses([a for a in args.ps.split(",") if a], "--ps")
+        tables = job_tables(cfg)
+    except ValueError as error:  # ConfigError too
+        parser.error(str(error))
+    ht, strategy = cfg.strategy.ht, cfg.strategy
+    for flag, value, most in (("--index", args.index, ht.group_ps - 1), ("--group", args.group, 1 << 20),
+                              ("--trainers-per-group", args.trainers_per_group, 1 << 20)):
+        if not 0 <= value <= most or (flag == "--trainers-per-group" and value < 1):
+            parser.error(f"{flag} {value} is out of range (strategy.ht.group_ps is {ht.group_ps})")
     torch.set_num_threads(1)
-    spec = torch.load(args.spec, weights_only=False)  # our own leader's file, never a user's
-    units = [Unit(name, prefix, module) for name, prefix, module in spec["units"]]
-    settings = dict(spec["settings"])
-    server = GroupPS(units, spec["optimizer"], host=args.host, port=args.port,
-                     threads=settings.pop("threads", 2), **settings)
+    t = args.trainers_per_group
+    server = GroupPS((), cfg.train.dense_optimizer.model_dump(), wire=ht.wire_codec, topk_ratio=strategy.topk_ratio,
+                     centre=centre, alpha=ht.alpha, period=ht.period, host=args.host, port=args.port,
+                     threads=max(2, t), timeout=strategy.request_timeout, retries=strategy.retries, callers=t,
+                     max_rows=max(cfg.data.batch_size, cfg.data.eval_batch_size or 0),
+                     builder=plan_builder(lambda: job_dense_model(cfg, tables), args.index))
     server.start()
-    if args.parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(server, args.parent), daemon=True).start()
-    run_until_stopped(server, on_ready=lambda: print(f"{READY}{server.address} pid {os.getpid()}", flush=True))
+    run_until_stopped(server, on_ready=lambda: print(f"{READY}{server.address} pid {os.getpid()} group {args.group} "
+                                                     f"index {args.index}", flush=True))
     return 0
 
 

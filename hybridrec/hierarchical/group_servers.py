@@ -1,35 +1,28 @@
 """A group's group PSs seen from its trainers (HT with strategy.ht.group_ps = p >= 1): the plan,
-the processes, and the trainer's model whose placed layers run on them.
+the units, and the trainer's model whose placed layers run on them.
 
+The launcher starts every group PS (hybridrec.hierarchical.group_ps) as a server role, before the
+trainers, and gives the trainers their addresses (group-major); no trainer starts a server.
 Every trainer takes the leader's plan (hybridrec.hierarchical.operator_placement; saved with the
 run) and splits its model, which starts at the centre's values, as the plan says. Each group's
-first trainer starts the group's p group PS processes (hybridrec.hierarchical.group_ps) on its
-host, each with its units; the group's trainers then train `module`, the model whose units are
-remote calls to them (hybridrec.hierarchical.net_transformation). Each group PS syncs its
+first trainer sends each of its group's p group PSs the units placed on it (`setup`: the plan
+and the units' starting values); the group's trainers then train `module`, the model whose units
+are remote calls to them (hybridrec.hierarchical.net_transformation). Each group PS syncs its
 parameters with the centre by elastic averaging (a split part with its slice of the unsplit
-parameter). At the end each group PS syncs once more and stops; the centre is the job's result.
-
-A group's trainers and its group PSs run on one host (the first trainer's): group PSs on hosts
-of their own are not placed by the launchers yet.
+parameter). At the end each group PS syncs once more; the centre is the job's result.
 """
 from __future__ import annotations
-
-import secrets
-import socket
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from hybridrec.comm.transport import Client
 from hybridrec.config import ConfigError
-from hybridrec.hierarchical.group_ps import Unit, start_group_ps, write_spec
+from hybridrec.hierarchical.group_ps import Unit, setup_request
 from hybridrec.hierarchical.net_transformation import (RemoteLink, placed_devices, plan_units, remote_model,
-                                                         split_model, split_slices, unit_module)
+                                                         split_model, unit_module)
 from hybridrec.hierarchical.operator_placement import PlanError, plan_for_config, save_plan
 
-SHUTDOWN_SECONDS = 15.0
+SETUP_SECONDS = 120.0  # a group PS builds the job's dense model before it answers its setup
 
 
 def leader_plan(cfg, world) -> dict:
@@ -49,59 +42,42 @@ def leader_plan(cfg, world) -> dict:
 
 
 class GroupServers:
-    """Built by every trainer of the job (collectives inside); `module` is what the trainer runs."""
+    """Built by every trainer of the job (collectives inside); `module` is what the trainer runs.
+    `addresses`: every group PS of the job, group-major (p per group)."""
 
     def __init__(self, model: torch.nn.Module, cfg, world, group: int, member: int, trainers_per_group: int,
-                 centre_addresses: list[str]):
+                 addresses: list[str]):
         ht, strategy = cfg.strategy.ht, cfg.strategy
         self.world, self.member, self.cfg, self.trainers_per_group = world, member, cfg, trainers_per_group
-        self.processes: list[subprocess.Popen] = []
-        self.clients: list[Client] = []
         self.counts: list[dict] = []
-        hosts = world.gather(socket.gethostname())
-        spread = [g for g in range(world.size // trainers_per_group)
-                  if len(set(hosts[g * trainers_per_group:(g + 1) * trainers_per_group])) > 1]
-        if spread:
-            raise ConfigError(f"strategy.ht.group_ps {ht.group_ps}: a group's group PSs run on its first trainer's "
-                              f"host, but the trainers of group(s) {spread} run on several hosts; place each group "
-                              "on one host")
+        groups = world.size // trainers_per_group
+        if len(addresses) != groups * ht.group_ps:
+            raise ConfigError(f"strategy.ht.group_ps {ht.group_ps}: {groups} group(s) need {groups * ht.group_ps} "
+                              f"group PS addresses (--group-ps), got {len(addresses)}; start the job with "
+                              "`hybridrec launch`, which starts them")
         plan = leader_plan(cfg, world)
         self.plan, self.codec = plan, ht.wire_codec
         self.split = split_model(model, plan["splits"])
         units = plan_units(self.split, placed_devices(plan["modules"], plan["splits"], plan["devices"]))
-        slices = split_slices(self.split, plan["splits"])
-        addresses = self._start(units, slices, centre_addresses) if member == 0 else None
-        addresses = world.gather(addresses)[group * trainers_per_group]
+        mine = addresses[group * ht.group_ps:(group + 1) * ht.group_ps]
         self.clients = [Client(address, timeout=strategy.request_timeout, retries=strategy.retries)
-                        for address in addresses]
+                        for address in mine]
+        failure = None
+        if member == 0:  # the group's first trainer gives each of its group PSs its units
+            try:
+                for j, client in enumerate(self.clients):
+                    arrays, meta = setup_request(plan, [Unit(u.name, u.prefix, unit_module(self.split, u))
+                                                        for u in units if u.device == j])
+                    client.request("setup", arrays, meta, timeout=SETUP_SECONDS, idempotent=True)
+            except (TimeoutError, RuntimeError, OSError) as error:
+                failure = f"group {group}'s group PS {mine[j]} did not take its units: {error}"
+        failures = [f for f in world.gather(failure) if f]  # no trainer calls a group PS before it has its units
+        if failures:
+            self.close()
+            raise RuntimeError(failures[0])
         self.links = {unit.name: RemoteLink(self.clients[unit.device], unit.name, member, ht.wire_codec,
                                             strategy.topk_ratio) for unit in units}
         self.module = remote_model(self.split, units, self.links)
-
-    def _start(self, units, slices: dict, centre_addresses: list[str]) -> list[str]:
-        """Start the group's group PSs (the first trainer only); their addresses."""
-        ht, strategy = self.cfg.strategy.ht, self.cfg.strategy
-        optimizer = self.cfg.train.dense_optimizer.model_dump()
-        addresses = []
-        with tempfile.TemporaryDirectory(prefix="hybridrec-group-ps-") as scratch:
-            for j in range(ht.group_ps):
-                placed = [Unit(u.name, u.prefix, unit_module(self.split, u)) for u in units if u.device == j]
-                mine = {f"{u.prefix}.{name}" for u in placed for name, _ in u.module.named_parameters()}
-                spec = write_spec(Path(scratch) / f"ps{j}-{secrets.token_hex(4)}.pt", placed, optimizer,
-                                  wire=ht.wire_codec, topk_ratio=strategy.topk_ratio, centre=centre_addresses,
-                                  alpha=ht.alpha, period=ht.period, threads=self.trainers_threads(),
-                                  slices={k: v for k, v in slices.items() if k in mine},
-                                  timeout=strategy.request_timeout, retries=strategy.retries,
-                                  callers=self.trainers_per_group,
-                                  max_rows=max(self.cfg.data.batch_size, self.cfg.data.eval_batch_size or 0))
-                process, address = start_group_ps(spec)
-                self.processes.append(process)
-                addresses.append(address)
-        return addresses
-
-    def trainers_threads(self) -> int:
-        """Handler threads of a group PS: one per trainer of its group (Hogwild between them)."""
-        return max(2, self.trainers_per_group)
 
     def finish(self) -> None:
         """The group PSs' last elastic sync (the first trainer asks; every trainer then waits)."""
@@ -116,18 +92,6 @@ class GroupServers:
                 "group_ps": self.counts}
 
     def close(self) -> None:
+        """Close the connections; the group PSs are the launcher's, which stops them with the job."""
         for client in self.clients:
-            if self.member == 0:
-                try:
-                    client.request("shutdown", timeout=5.0, retries=0)
-                except (TimeoutError, RuntimeError, OSError):
-                    pass  # killed below
             client.close()
-        for process in self.processes:
-            try:
-                process.wait(SHUTDOWN_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-            if process.stdout is not None:
-                process.stdout.close()

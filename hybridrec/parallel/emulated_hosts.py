@@ -13,7 +13,7 @@
   per link direction, so a packet from one host to another is delayed by `--latency` in all and
   crosses two links of `--bandwidth`.
 
-Roles are placed on the hosts round-robin, in the order ps0.., ew0.., trainer0.. (`--place`
+Roles are placed on the hosts round-robin, in the order ps0.., ew0.., gp0.., trainer0.. (`--place`
 pins any of them to a host index; the others still go round-robin). Each role runs as
 `ip netns exec <its host's namespace> <its argv>`; PS servers and embedding workers bind to their
 host's address, which is off loopback, so they need the job key (the launcher makes one per job).
@@ -23,7 +23,7 @@ on the first trainer host's address, and gloo uses `eth0`.
 The namespaces (and with them every link and address inside) are deleted when the job ends,
 whatever way. A launcher killed with SIGKILL cannot do that, so each launch first deletes the
 namespaces of jobs whose launcher is gone (`remove_dead_jobs_namespaces`, by the job-id scheme of
-`launch.py`), after killing any process still inside them.
+`host.py`), after killing any process still inside them.
 
 Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root) and the `ip` and `tc` programs; without them the
 flags are refused with the reason (`EmulationUnsupported`).
@@ -38,6 +38,8 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
+
+from hybridrec.parallel.host import JOB_ID, launcher_alive, merged_environment
 
 SUBNET = "10.213.0"            # host i is SUBNET.(i+1)/24, inside the job's namespaces only
 MAX_HOSTS = 250
@@ -78,8 +80,8 @@ def parse_place(text: str | None, hosts: int) -> dict[str, int]:
             continue
         role, sep, host = item.partition("=")
         role, host = role.strip(), host.strip()
-        if not sep or not re.fullmatch(r"(ps|ew|trainer)[0-9]+", role) or not host.isdigit():
-            raise ValueError(f"--place {text}: {item!r} is not ROLE=HOST with ROLE one of psI, ewI, trainerI "
+        if not sep or not re.fullmatch(r"(ps|ew|gp|trainer)[0-9]+", role) or not host.isdigit():
+            raise ValueError(f"--place {text}: {item!r} is not ROLE=HOST with ROLE one of psI, ewI, gpI, trainerI "
                              f"and HOST a host index, e.g. --place ps0=0,ew0=1,trainer0=2")
         if int(host) >= hosts:
             raise ValueError(f"--place {text}: host {host} of {role} does not exist; --emulate-hosts {hosts} "
@@ -117,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     parser.add_argument("--latency", type=float, default=None, metavar="MS",
                         help="with --emulate-hosts: one-way delay between two hosts in milliseconds")
     parser.add_argument("--place", default=None, metavar="ROLE=HOST,...",
-                        help="with --emulate-hosts: pin roles to hosts (psI, ewI, trainerI = host index); "
+                        help="with --emulate-hosts: pin roles to hosts (psI, ewI, gpI, trainerI = host index); "
                              "the rest go round-robin")
 
 
@@ -270,7 +272,7 @@ class EmulatedHosts:
         return self.placement[role]
 
     def address(self, role: str) -> str:
-        """The address `role` (psI / ewI) binds and its clients dial."""
+        """The address `role` (psI / ewI / gpI) binds and its clients dial."""
         return self.addresses[self.host_of(role)]
 
     def server_ports(self, count: int) -> list[int]:
@@ -296,9 +298,7 @@ class EmulatedHosts:
     def environment(self, env: Mapping[str, str] | None) -> dict[str, str]:
         """The roles' environment: gloo finds its interface by name (the hostname resolves to an
         address of the root namespace, which the hosts do not have)."""
-        merged = dict(os.environ if env is None else env)
-        merged["GLOO_SOCKET_IFNAME"] = HOST_DEVICE
-        return merged
+        return merged_environment(env, GLOO_SOCKET_IFNAME=HOST_DEVICE)
 
     def wrap(self, namespace_of: int, argv: Sequence[str]) -> list[str]:
         """`argv` run inside host `namespace_of`'s namespace."""
@@ -317,7 +317,7 @@ class EmulatedHosts:
 
 
 def emulated_hosts(job: str, emulation: HostEmulation, *, ps: int, embedding_workers: int, trainers: int,
-                   host: str = "127.0.0.1") -> EmulatedHosts:
+                   group_ps: int = 0, host: str = "127.0.0.1") -> EmulatedHosts:
     """The (not yet created) hosts of one job with its roles placed; EmulationUnsupported or
     ValueError (naming the flag) when they cannot be made here or the flags do not fit the job."""
     if host not in ("127.0.0.1", "localhost"):
@@ -325,7 +325,7 @@ def emulated_hosts(job: str, emulation: HostEmulation, *, ps: int, embedding_wor
                          f"bind to that host's address")
     check_support()
     roles = ([f"ps{i}" for i in range(ps)] + [f"ew{e}" for e in range(embedding_workers)]
-             + [f"trainer{k}" for k in range(trainers)])
+             + [f"gp{g}" for g in range(group_ps)] + [f"trainer{k}" for k in range(trainers)])
     return EmulatedHosts(job, emulation, assign_hosts(roles, emulation.hosts, emulation.place))
 
 
@@ -342,10 +342,7 @@ def _delete_namespace(name: str) -> bool:
 
 
 def _namespace_pattern() -> re.Pattern:
-    """How a job's namespaces are named (imported here: the CLI's parser loads this module, and
-    launch.py pulls in the transport and numba)."""
-    from hybridrec.parallel.launch import JOB_ID
-
+    """How a job's namespaces are named."""
     return re.compile(rf"hybridrec-(?P<job>{JOB_ID})-(?:br|h[0-9]+)")
 
 
@@ -367,8 +364,6 @@ def remove_dead_jobs_namespaces(log: Callable[[str], None] | None = None) -> lis
     clean up), killing whatever still runs inside them. Namespaces named otherwise, of live
     launchers, or of job ids this machine cannot judge are left alone. Returns (job, namespace)
     of each one deleted; logs one line for each through `log`."""
-    from hybridrec.parallel.launch import launcher_alive
-
     if shutil.which("ip") is None:
         return []
     pattern = _namespace_pattern()

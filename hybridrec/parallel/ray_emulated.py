@@ -123,15 +123,20 @@ def launch_on_emulated_cluster(args, out=None) -> int:
     """Run the job of `args` (the launch subparser's) on a Ray cluster across emulated hosts; the
     driver's exit code (1 when the cluster did not come up)."""
     from hybridrec.parallel.emulated_hosts import EmulatedHosts, check_support, from_arguments
-    from hybridrec.parallel.launch import check_config, new_job_id, role_counts
-    from hybridrec.parallel.ray_launch import job_demand
+    from hybridrec.parallel.host import new_job_id
+    from hybridrec.parallel.roles import check_config, group_ps_layout, job_demand, role_counts
 
     out = out or sys.stdout
     emulation = from_arguments(args)
     if emulation.place:
         raise ValueError("--place does not apply with --ray: Ray places the roles on the emulated hosts' nodes")
+    if getattr(args, "no_job_key", False):
+        raise ValueError("--no-job-key: the roles on emulated hosts serve off loopback, where every server needs the "
+                         "job key; leave --no-job-key out")
     cfg = check_config(args.config, args.set)
     counts = role_counts(cfg, args.ps, args.embedding_workers, args.trainers)
+    groups, per_group = group_ps_layout(cfg, counts["trainers"])
+    counts["group_ps"] = groups * per_group
     check_support()
     cpus = node_cpus(job_demand(cfg.strategy.resources, counts).get("CPU", 0.0), emulation.hosts)
     env = ray_environment(secrets.token_hex(32))

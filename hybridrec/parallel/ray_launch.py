@@ -1,9 +1,10 @@
 """`hybridrec launch CONFIG --ray ADDRESS`: every role of a distributed job placed on a Ray cluster.
 
-The roles are the ones `hybridrec launch` builds (`launch.build_roles`), each run inside a Ray
+The roles are the ones `hybridrec launch` builds (`roles.build_roles`), each run inside a Ray
 actor (`ray_roles.py`) instead of a child process:
 
-* PS servers and embedding workers are actors pinned to a node (node affinity, not soft), each
+* Server roles (PS servers, embedding workers, group PSs) are actors pinned to a node (node
+  affinity, not soft), each
   on a port picked on that node, with `max_restarts = role_restarts`. Ray restarts one that
   dies on the same node, where it binds the same port and a PS reattaches to its tables in
   named shared memory, so it comes back with every update it acknowledged.
@@ -22,9 +23,10 @@ actor (`ray_roles.py`) instead of a child process:
 
 `ADDRESS` is a Ray cluster's address (`HOST:6379`) or `auto`: attach to the Ray
 instance running on this machine, or start one whose logical CPUs cover the job's request.
-On a one-node cluster roles bind loopback; on several nodes they bind their node's address and
-authenticate with a job key made per job, which each actor receives as an argument and puts
-in its own environment (HYBRIDREC_AUTH_KEY), never on a command line.
+On a one-node cluster roles bind loopback; on several nodes they bind their node's address.
+Either way they authenticate with a job key made per job (unless `--no-job-key`, on a one-node
+cluster only), which each actor receives as an argument and puts in its own environment
+(HYBRIDREC_AUTH_KEY), never on a command line.
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ from typing import Any, Callable, Sequence, TextIO
 
 from hybridrec.axes import server_roles
 from hybridrec.comm.auth import AUTH_KEY_ENV
-from hybridrec.parallel.launch import (JobPlan, build_roles, check_arguments, check_config, launcher_environment,
-                                       new_job_id, remove_dead_jobs_shared_memory, role_counts)
-from hybridrec.parallel.ray_roles import TRAINER, NodeAgent, ServiceHost, TrainerHost, flag_value
+from hybridrec.parallel.host import new_job_id, remove_dead_jobs_shared_memory, role_environment
+from hybridrec.parallel.ray_roles import NodeAgent, ServiceHost, TrainerHost, flag_value
+from hybridrec.parallel.roles import (PS, TRAINERS, JobPlan, build_roles, check_arguments, check_config, demand_of,
+                                      group_ps_layout, job_demand, role_counts, role_options, server_role)
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT
 
 NAMESPACE = "hybridrec"
@@ -69,31 +72,6 @@ def _import_ray():
     except ImportError:
         raise ValueError("--ray needs the ray package, which is not installed: pip install 'hybridrec[ray]'") from None
     return ray
-
-
-def role_options(resources) -> dict:
-    """Ray's resource options for one process with these `strategy.resources.<role>` values."""
-    options = {"num_cpus": resources.cpus, "num_gpus": resources.gpus}
-    if resources.memory_gb:
-        options["memory"] = int(resources.memory_gb * 2**30)
-    return options
-
-
-_RAY_RESOURCE = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
-
-
-def _demand(options: dict) -> dict[str, float]:
-    return {_RAY_RESOURCE[k]: v for k, v in options.items() if k in _RAY_RESOURCE and v}
-
-
-def job_demand(resources, counts: dict[str, int]) -> dict[str, float]:
-    """What the whole job asks Ray for (CPU, GPU, memory in bytes), every process together."""
-    demand: dict[str, float] = {}
-    for role, count in (("ps_servers", counts["ps"]), ("embedding_workers", counts["embedding_workers"]),
-                        ("trainers", counts["trainers"])):
-        for resource, amount in _demand(role_options(getattr(resources, role))).items():
-            demand[resource] = demand.get(resource, 0) + amount * count
-    return demand
 
 
 def connect(address: str, demand: dict[str, float]) -> bool:
@@ -144,7 +122,7 @@ def place_services(nodes: list[dict], wanted: list[tuple[str, dict]]) -> list[st
     order = [n["NodeID"] for n in nodes]
     chosen, turn = [], 0
     for name, options in wanted:
-        need = _demand(options)
+        need = demand_of(options)
         for step in range(len(order)):
             node = order[(turn + step) % len(order)]
             if all(free[node].get(r, 0) >= v for r, v in need.items()):
@@ -154,8 +132,7 @@ def place_services(nodes: list[dict], wanted: list[tuple[str, dict]]) -> list[st
                 turn = (turn + step + 1) % len(order)
                 break
         else:
-            key = "ps_servers" if name.startswith("ps") else "embedding_workers"
-            raise ValueError(f"strategy.resources.{key}: {name} asks Ray for {need}, which no node of the "
+            raise ValueError(f"strategy.resources.{server_role(name).resources}: {name} asks Ray for {need}, which no node of the "
                              f"cluster has left ({len(order)} node(s)); lower the request or add nodes")
     return chosen
 
@@ -197,7 +174,7 @@ class RayLauncher:
 
     def __init__(self, plan: JobPlan, cfg, tables: list[str], demand: dict[str, float], *, trainers: int,
                  max_restarts: int, role_restarts: int, grace: float, out: TextIO | None, started_ray: bool,
-                 startup_timeout: float = 180.0):
+                 startup_timeout: float = 180.0, job_key: bool = True):
         import ray
 
         self.ray = ray
@@ -212,7 +189,8 @@ class RayLauncher:
         self.shm_nodes: dict[str, list[str]] = {}
         self.agents: dict[str, Any] = {}
         self.ps_addresses: list[str] = []
-        self.embedding_worker_addresses: list[str] = []
+        self.server_addresses: dict = {}  # ServerRole -> its addresses, as placed
+        self.job_key = job_key
         self._lock = threading.Lock()
         self._signal: int | None = None
         self._key: str | None = None
@@ -241,7 +219,7 @@ class RayLauncher:
                 lines = list(filter_autoscaler_events(lines))
             except ImportError:
                 pass
-        roles = {s.name for s in self.services} | {TRAINER}
+        roles = {s.name for s in self.services} | {TRAINERS}
         source = "" if name in roles else f"({data.get('task_name') or name or 'worker'} pid={data.get('pid')}) "
         for line in lines:
             self.emit(name if name in roles else "ray", source + line)
@@ -274,11 +252,8 @@ class RayLauncher:
         ray, plan = self.ray, self.plan
         nodes = _alive_nodes()
         self._loopback = len(nodes) == 1
-        ps_options = role_options(self.resources.ps_servers)
-        ew_options = role_options(self.resources.embedding_workers)
-        trainer_options = role_options(self.resources.trainers)
         services = [r for r in plan.roles if not r.main]
-        wanted = [(r.name, ps_options if r.name.startswith("ps") else ew_options) for r in services]
+        wanted = [(r.name, role_options(getattr(self.resources, server_role(r.name).resources))) for r in services]
         _check_total(nodes, self.demand)
         chosen = place_services(nodes, wanted)
         per_node: dict[str, int] = {}
@@ -290,8 +265,7 @@ class RayLauncher:
         endpoints = {node: self.agents[node].endpoint.remote(count, self._loopback)
                      for node, count in per_node.items()}
         endpoints = {node: self._await(ref, deadline, "the node agent") for node, ref in endpoints.items()}
-        if not self._loopback:
-            self._key = (launcher_environment(endpoints[chosen[0]][0]) or {}).get(AUTH_KEY_ENV)
+        self._key = (role_environment(endpoints[chosen[0]][0], self.job_key) or {}).get(AUTH_KEY_ENV)
         addresses: dict[str, str] = {}
         for role, node, (_, options) in zip(services, chosen, wanted):
             host, ports = endpoints[node]
@@ -299,19 +273,19 @@ class RayLauncher:
             addresses[role.name] = f"tcp://{host}:{port}"
             self.services.append(_Service(role.name, _with(_cli_argv(role.argv), host=host, port=str(port)),
                                           node, options))
-        ps_list = ",".join(addresses[s.name] for s in self.services if s.name.startswith("ps"))
-        ew_list = ",".join(addresses[s.name] for s in self.services if s.name.startswith("ew"))
+        lists = {kind: ",".join(addresses[s.name] for s in self.services if server_role(s.name) is kind)
+                 for kind in {server_role(s.name) for s in self.services} | {PS}}
         for service in self.services:
-            if service.name.startswith("ew"):
-                service.argv = _with(service.argv, ps=ps_list)
-            else:
-                index = int(service.name[2:])
-                self.shm_nodes.setdefault(service.node, []).append(plan.shm_names[index])
+            if server_role(service.name) is PS:
+                self.shm_nodes.setdefault(service.node, []).append(plan.shm_names[int(service.name[2:])])
+            else:  # the servers that talk to the PS servers get their addresses on this cluster
+                service.argv = _with(service.argv, ps=lists[PS])
         trainer_role = next(r for r in plan.roles if r.main)
-        self.trainer_argv = _with(_trainer_argv(trainer_role.argv), ps=ps_list, embedding_workers=ew_list)
-        self.trainer_options = trainer_options
-        self.ps_addresses = [a for a in ps_list.split(",") if a]
-        self.embedding_worker_addresses = [a for a in ew_list.split(",") if a]
+        self.trainer_argv = _with(_trainer_argv(trainer_role.argv),
+                                  **{kind.trainer_flag[2:]: listed for kind, listed in lists.items()})
+        self.trainer_options = role_options(self.resources.trainers)
+        self.ps_addresses = [a for a in lists[PS].split(",") if a]
+        self.server_addresses = {kind: [a for a in listed.split(",") if a] for kind, listed in lists.items()}
 
     # ------------------------------------------------------------------ running
     def _await(self, ref, deadline: float | None, what: str):
@@ -366,7 +340,7 @@ class RayLauncher:
         return None
 
     def _create_trainers(self) -> None:
-        cls = self.ray.remote(type(TRAINER, (TrainerHost,), {"__module__": __name__}))
+        cls = self.ray.remote(type(TRAINERS, (TrainerHost,), {"__module__": __name__}))
         self.trainer_actors = [cls.options(max_restarts=0, **self.trainer_options).remote(self._key, self._cwd)
                                for _ in range(self.trainers)]
 
@@ -501,10 +475,9 @@ class RayLauncher:
                 handlers[signum] = signal.signal(signum, self._on_signal)
         try:
             self._plan_services(deadline)
-            self.log(f"job {self.plan.job} on Ray: {len(self.ps_addresses)} PS ({', '.join(self.ps_addresses)}), "
-                     f"{len(self.embedding_worker_addresses)} embedding worker(s) "
-                     f"({', '.join(self.embedding_worker_addresses)}), "
-                     f"{self.trainers} trainer(s)")
+            servers = "".join(f"{len(listed)} {kind.command} ({', '.join(listed)}), "
+                              for kind, listed in self.server_addresses.items() if listed)
+            self.log(f"job {self.plan.job} on Ray: {servers}{self.trainers} trainer(s)")
             remove_dead_jobs_shared_memory(self.log)
             return self._run(deadline)
         except _Stop as stop:
@@ -548,10 +521,11 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
                   embedding_workers: int | None = None, trainers: int | None = None,
                   overrides: Sequence[str] = (), resume: bool = False, overwrite: bool = False,
                   max_restarts: int = 0, role_restarts: int = 3, timeout: float | None = None,
-                  grace: float = 10.0, out: TextIO | None = None) -> int:
+                  grace: float = 10.0, out: TextIO | None = None, job_key: bool = True) -> int:
     """Run a whole job on the Ray cluster at `address`; the exit code: 0 done, 1 a role failed,
     124 timeout, 130 interrupted. Raises ConfigError / ValueError before anything starts when the
-    arguments, the config or the cluster's resources do not fit."""
+    arguments, the config or the cluster's resources do not fit. `job_key`: a new job key for
+    every role (False: none, on a one-node cluster only)."""
     from hybridrec.job.tables import job_tables
 
     cfg = check_config(config, overrides)
@@ -560,8 +534,9 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
                     max_restarts=max_restarts, role_restarts=role_restarts, resume=resume, overwrite=overwrite,
                     timeout=timeout, needs_ps="ps_servers" in server_roles(cfg.strategy.resolved))
     _import_ray()
-    demand = job_demand(cfg.strategy.resources, counts)
-    plan = build_roles(str(Path(config).resolve()), **counts, overrides=overrides, job=new_job_id(),
+    group_ps = group_ps_layout(cfg, counts["trainers"])
+    demand = job_demand(cfg.strategy.resources, {**counts, "group_ps": group_ps[0] * group_ps[1]})
+    plan = build_roles(str(Path(config).resolve()), **counts, group_ps=group_ps, overrides=overrides, job=new_job_id(),
                        resume=resume, overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts,
                        checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
     tables = list(job_tables(cfg).all_tables())
@@ -571,7 +546,7 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
         print(f"hybridrec launch: {error}", file=sys.stderr, flush=True)
         return FAILED
     launcher = RayLauncher(plan, cfg, tables, demand, trainers=counts["trainers"], max_restarts=max_restarts,
-                           role_restarts=role_restarts, grace=grace, out=out, started_ray=started)
+                           role_restarts=role_restarts, grace=grace, out=out, started_ray=started, job_key=job_key)
     code = launcher.run(timeout)
     if code != 0:
         print(f"hybridrec launch: {launcher.reason}", file=sys.stderr, flush=True)
@@ -592,4 +567,5 @@ def launch_from_arguments(args) -> int:
         return launch_on_emulated_cluster(args)
     return launch_on_ray(args.config, address=args.ray, ps=args.ps, embedding_workers=args.embedding_workers,
                          trainers=args.trainers, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
-                         max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout)
+                         max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
+                         job_key=not args.no_job_key)

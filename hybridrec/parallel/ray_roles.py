@@ -1,7 +1,8 @@
 """What runs inside the Ray actors of a `hybridrec launch --ray` job (ray_launch.py places them).
 
-* `ServiceHost`: a PS server or embedding worker, i.e. its `hybridrec.cli` argv run in the
-  actor's process; ready once its port accepts connections.
+* `ServiceHost`: a server role of roles.py (PS server, embedding worker, group PS), i.e. its
+  `hybridrec.cli` argv run through the role's entry in the actor's process; ready once its port
+  accepts connections.
 * `TrainerHost`: one trainer rank; it joins the torch.distributed group at the address rank 0's
   actor names and runs the trainer entry point (`hybridrec.parallel.trainer.main`).
 * `NodeAgent`: picks ports on a node before its roles start, deletes the job's shared memory
@@ -22,9 +23,8 @@ import traceback
 from typing import Any, Sequence
 
 from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV
-from hybridrec.parallel.launch import free_ports, remove_shared_memory
-
-TRAINER = "nn"  # the prefix of every trainer's lines, as under torchrun
+from hybridrec.parallel.host import free_ports, remove_shared_memory
+from hybridrec.parallel.roles import TRAINERS, server_role
 
 
 def _enter_job(key: str | None, cwd: str) -> None:
@@ -75,20 +75,13 @@ def _listening(host: str, port: int) -> bool:
 
 
 def _service_main(argv: Sequence[str]) -> int:
-    """Run `hybridrec serve-ps ...` or `hybridrec embedding-worker ...` (argv without `hybridrec`)
-    through the role's own entry point (the command line sits above this package)."""
-    command, rest = argv[0], list(argv[1:])
-    if command == "serve-ps":
-        from hybridrec.ps.server import main
-    elif command == "embedding-worker":
-        from hybridrec.persia.embedding_worker import main
-    else:
-        raise ValueError(f"a Ray service runs serve-ps or embedding-worker, not {command!r}")
-    return main(rest, prog=f"hybridrec {command}") or 0
+    """Run a server role from its `hybridrec <command> ...` arguments (argv without `hybridrec`)
+    through the role's entry point (roles.py; the command line sits above this package)."""
+    return server_role(argv[0]).run(argv[1:])
 
 
 class ServiceHost:
-    """Runs one PS server or embedding worker (its `hybridrec.cli` argv) in this actor's process.
+    """Runs one server role (its `hybridrec.cli` argv) in this actor's process.
 
     The constructor returns once the role accepts connections on its port, and raises if the
     role exits first (a bad config, say: Ray then marks the actor dead without restarting it).
@@ -144,7 +137,7 @@ class TrainerHost:
         import hybridrec.parallel.trainer  # noqa: F401  (torch and the loop load while the services start)
 
     def __repr__(self) -> str:
-        return TRAINER
+        return TRAINERS
 
     def endpoint(self, loopback: bool) -> tuple[str, int]:
         """Where rank 0 serves the group's rendezvous store: this node's address and a free port."""

@@ -30,23 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, TextIO
 
+from hybridrec.parallel.host import die_with_parent, proc_stat_fields
+
 # exit codes of `Supervisor.run`
 OK, FAILED, TIMED_OUT, INTERRUPTED = 0, 1, 124, 130
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-try:  # loaded here: the child may only make a plain C call between fork and exec
-    import ctypes
-
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except (ImportError, OSError):
-    _LIBC = None
-
-
-def _die_with_supervisor() -> None:
-    """Run in each role between fork and exec: the kernel sends it SIGTERM when the supervisor
-    dies, even by SIGKILL, when no teardown can run (Linux; elsewhere a no-op)."""
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -81,16 +68,6 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
-
-
-def proc_stat_fields(pid: int | str) -> list[str] | None:
-    """Fields 3 on (state, ppid, pgrp, ...) of /proc/<pid>/stat, or None when it cannot be read.
-    The command name (field 2) is cut off by its last ")", since it may hold spaces."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    return stat[stat.rfind(")") + 2:].split()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -170,7 +147,7 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach us as they are printed
         process = subprocess.Popen(list(role.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                   preexec_fn=_die_with_supervisor)
+                                   preexec_fn=die_with_parent)
         running = _Running(role, process)
         running.reader = threading.Thread(target=self._pump, args=(running,), daemon=True,
                                           name=f"{self.prefix}-{role.name}")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hybridrec.axes import server_roles
 from hybridrec.comm.transport import check_addresses
 from hybridrec.config import load_config
+from hybridrec.parallel.host import die_with_parent
 from hybridrec.train.checkpoint import latest_checkpoint
 from hybridrec.train.trainer import train
 
@@ -57,16 +58,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="PS addresses, comma-separated, in shard order (none: the placement runs no PS servers)")
     parser.add_argument("--embedding-workers", default="",
                         help="embedding worker addresses, in rank order (none: talk to the PS servers directly)")
+    parser.add_argument("--group-ps", default="",
+                        help="Hierarchical Training's group PS addresses, group-major (strategy.ht.group_ps per group)")
     again = parser.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     again.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints")
     args = parser.parse_args(argv)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun's agent: die with it, even when it is killed
+        die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     try:
         cfg = load_config(args.config, args.set)
-        ps_addresses, ew_addresses = ([a for a in given.split(",") if a] for given in (args.ps, args.embedding_workers))
+        ps_addresses, ew_addresses, group_ps = ([a for a in given.split(",") if a]
+                                                for given in (args.ps, args.embedding_workers, args.group_ps))
         ps_addresses = check_addresses(ps_addresses, "--ps") if ps_addresses else []
         ew_addresses = check_addresses(ew_addresses, "--embedding-workers") if ew_addresses else []
+        group_ps = check_addresses(group_ps, "--group-ps") if group_ps else []
         if "ps_servers" in server_roles(cfg.strategy.resolved) and not ps_addresses:
             raise ValueError(f"--ps: strategy.placement {cfg.strategy.placement!r} keeps its tables on PS servers; "
                              "give their addresses (tcp://host:port, comma-separated)")
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     join_process_group(backend)
     try:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite,
-                       endpoints={"ps": ps_addresses, "embedding_workers": ew_addresses})
+                       endpoints={"ps": ps_addresses, "embedding_workers": ew_addresses, "group_ps": group_ps})
         if dist.get_rank() == 0:
             print("final " + json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), flush=True)
     finally:

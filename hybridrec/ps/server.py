@@ -417,11 +417,17 @@ def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec
     return server
 
 
+STOP_SECONDS = 10.0  # a server told to stop that is still busy after this long exits anyway
+
+
 def run_until_stopped(server: EmbeddingServer, on_ready: Callable[[], None] | None = None) -> None:
     """Block until a shutdown request, SIGTERM or Ctrl-C (main thread), then stop the server.
 
     `on_ready` runs once the signal handlers are in place (so a SIGTERM sent right after it
-    stops the server cleanly instead of killing the process).
+    stops the server cleanly instead of killing the process). From the moment it stops, the
+    process ends within STOP_SECONDS, even when a handler is still busy with a long request or
+    a clean-up waits on a peer (the launcher's SIGTERM, also the kernel's when the launcher is
+    killed, must end a busy server promptly).
     """
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -432,6 +438,9 @@ def run_until_stopped(server: EmbeddingServer, on_ready: Callable[[], None] | No
         while not server.wait(0.2):  # short waits so signal handlers get to run
             pass
     finally:
+        deadline = threading.Timer(STOP_SECONDS, os._exit, (1,))
+        deadline.daemon = True  # ends the process if stopping, or the interpreter's exit, hangs
+        deadline.start()
         server.stop()
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+
+from hybridrec.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +56,20 @@ def options_from(args) -> ServeOptions:
             raise UserError(f"--{name.replace('_', '-')}: {getattr(args, name)}; give an integer >= 1")
     return ServeOptions(args.bundle, args.version, args.poll_seconds, args.batch_wait_ms, args.max_batch_rows,
                         args.max_request_rows, args.max_body_bytes, args.threads)
+
+
+def require_serve_extra() -> None:
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "orjson") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"hybridrec serve needs {', '.join(missing)}: pip install 'hybridrec[serve]'")
+
+
+def http_token(host: str) -> str | None:
+    """The token requests must carry: the job key's, when one is configured (required off loopback)."""
+    from hybridrec.comm.auth import AuthError, server_key
+
+    try:
+        key = server_key(host)
+    except AuthError as exc:
+        raise UserError(f"hybridrec serve --host {host}: {exc}") from None
+    return None if key is None else key.http_token()

@@ -54,7 +54,7 @@ def serve_on_ray(options: ServeOptions, address: str, replicas: int, host: str, 
         from ray import serve
     except ImportError:
         raise UserError("hybridrec serve --ray needs Ray Serve: pip install 'hybridrec[ray]'") from None
-    from hybridrec.serving.server import http_token, require_serve_extra
+    from hybridrec.serving.options import http_token, require_serve_extra
 
     require_serve_extra()
     token = http_token(host)

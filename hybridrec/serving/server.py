@@ -13,24 +13,7 @@ import sys
 import threading
 
 from hybridrec.errors import UserError
-from hybridrec.serving.options import ServeOptions, options_from
-
-
-def require_serve_extra() -> None:
-    missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "orjson") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"hybridrec serve needs {', '.join(missing)}: pip install 'hybridrec[serve]'")
-
-
-def http_token(host: str) -> str | None:
-    """The token requests must carry: the job key's, when one is configured (required off loopback)."""
-    from hybridrec.comm.auth import AuthError, server_key
-
-    try:
-        key = server_key(host)
-    except AuthError as exc:
-        raise UserError(f"hybridrec serve --host {host}: {exc}") from None
-    return None if key is None else key.http_token()
+from hybridrec.serving.options import ServeOptions, http_token, options_from, require_serve_extra
 
 
 def bound_socket(host: str, port: int) -> socket.socket:

@@ -28,13 +28,15 @@ class MissingService(RuntimeError):
 @dataclass(frozen=True)
 class PSEndpoints:
     """The job's PS servers as its trainers reach them: their addresses, the embedding workers'
-    (none: the trainers talk to the servers directly, HET's route) and a client's options."""
+    (none: the trainers talk to the servers directly, HET's route), a client's options, and the
+    group PSs of Hierarchical Training the launcher started (group-major; none without them)."""
 
     ps: tuple[str, ...]
     embedding_workers: tuple[str, ...]
     timeout: float
     retries: int
     value_codec: str
+    group_ps: tuple[str, ...] = ()
 
     @property
     def route(self) -> str:

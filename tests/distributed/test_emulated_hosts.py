@@ -23,7 +23,8 @@ from hybridrec.cli import main
 from hybridrec.parallel import emulated_hosts
 from hybridrec.parallel.emulated_hosts import (EmulatedHosts, EmulationUnsupported, HostEmulation, job_namespaces,
                                                list_namespaces, parse_rate)
-from hybridrec.parallel.launch import launch, new_job_id
+from hybridrec.parallel.host import new_job_id
+from hybridrec.parallel.launch import launch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "persia_synthetic.yaml")

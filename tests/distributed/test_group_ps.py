@@ -216,4 +216,4 @@ def test_two_groups_with_a_group_ps_each_converge_on_loopback(tmp_path):
     assert result["dense_replicas"] == 2 and result["group_ps"] == 1 and result["wire_codec"] == "bf16"
     assert result["wire_bytes_per_step"] > 0 and result["elastic_syncs"] > 0
     assert result["auc"] > result["best_auc"] - LEARNT_GAP
-    assert subprocess.run(["pgrep", "-f", "hybridrec.hierarchical.group_ps"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", "hybridrec.cli group-ps"], capture_output=True).returncode == 1  # the launcher stopped them

@@ -5,6 +5,7 @@ configs and counts it cannot run, and the torchrun rendezvous never gets a serve
 end-to-end job with real PS / embedding workers / trainers is tested where those programs live.)"""
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,11 +17,17 @@ from pathlib import Path
 import pytest
 
 from hybridrec.cli import main
+from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, AuthError, JobKey
 from hybridrec.embedding.memory import shm_path
-from hybridrec.parallel import launch as launch_module
-from hybridrec.parallel.launch import (build_roles, free_ports, launch, new_job_id, ps_shm_name,
-                                       remove_dead_jobs_shared_memory, remove_shared_memory)
+from hybridrec.parallel import host as host_module
+from hybridrec.parallel.host import (free_ports, new_job_id, ps_shm_name, remove_dead_jobs_shared_memory,
+                                     remove_shared_memory)
+from hybridrec.parallel.launch import launch
+from hybridrec.parallel.roles import build_roles
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT, Role, Supervisor
+from hybridrec.ps import PSClient
+from hybridrec.ps.server import listening_address
+from helpers import JOB_SECONDS, job_shared_memory, processes_with, start_launch, wait_for, write_config
 
 PY = sys.executable
 # A service: starts a grandchild (so teardown must reach the whole tree), says where both are,
@@ -356,7 +363,55 @@ def test_ports_drawn_later_skip_the_ones_drawn_before(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(launch_module.socket, "socket", ReusingSocket)
+    monkeypatch.setattr(host_module.socket, "socket", ReusingSocket)
     servers = free_ports(2)
     assert servers == [7001, 7002]
     assert free_ports(1, exclude=set(servers)) == [7003]
+
+
+def test_every_role_dies_with_a_launcher_killed_with_sigkill(tmp_path):
+    """`kill -9` of `hybridrec launch` once its trainers run: the kernel takes every role with it
+    (the PS servers, the embedding worker, torchrun and the trainers under it), busy or not."""
+    config = write_config(tmp_path, epochs=20)
+    log = tmp_path / "launch.log"
+    launcher = start_launch(config, log)
+    try:
+        wait_for(lambda: len(processes_with("hybridrec.parallel.trainer", str(config))) >= 3, JOB_SECONDS,
+                 "torchrun and its 2 trainers", log)
+        roles = [pid for pid in processes_with(str(config)) if pid != launcher.pid]
+        assert len(roles) >= 5, log.read_text()[-3000:]  # 2 PS, 1 embedding worker, torchrun, its 2 trainers
+        launcher.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
+        launcher.wait(10)
+        wait_for(lambda: not any(pid in roles for pid in processes_with(str(config))), 90,
+                 "every role of the killed launcher to end", log)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        for pid in processes_with(str(config)):  # only if the test failed: leave nothing behind
+            os.kill(pid, signal.SIGKILL)
+    for path in job_shared_memory(log):  # as the next launch's sweep would
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_launch_default_ps_refuses_a_client_without_the_job_key(tmp_path, monkeypatch):
+    """On loopback too, the launchers give each job a key (Redis's protected mode is the model):
+    another local process that does not have it is refused at the handshake."""
+    for name in (AUTH_KEY_ENV, AUTH_KEY_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HYBRIDREC_SHM_DIR", str(tmp_path))
+    config = write_config(tmp_path)
+    plan = build_roles(str(config), ps=1, embedding_workers=0, trainers=1, checkpoint_root=str(tmp_path / "run"))
+    ps0 = plan.roles[0]
+    process = subprocess.Popen(ps0.argv, env=ps0.env, stdout=subprocess.PIPE, text=True)
+    try:
+        address = listening_address(process, ps0.ready_marker, "ps0", JOB_SECONDS)
+        with pytest.raises(AuthError), PSClient([address], timeout=10, retries=0) as stranger:
+            stranger.ping()
+        key = JobKey.from_text(ps0.env[AUTH_KEY_ENV], "the job's key")
+        with PSClient([address], timeout=10, retries=0, key=key) as member:  # a role of the job
+            assert member.ping()[0]["pid"] == process.pid
+    finally:
+        process.terminate()
+        process.wait(30)
+        process.stdout.close()

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from hybridrec.comm.auth import (AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, AuthError, JobKey, key_from_environment,
-                                 launcher_environment, write_key_file)
+                                 write_key_file)
+from hybridrec.parallel.host import role_environment
 from hybridrec.comm.transport import Client, Operation, RemoteError, RequestTooLarge, Server
 from hybridrec.ps import PSClient, serve
 from hybridrec.ps.server import main as server_main
@@ -113,11 +114,14 @@ def test_bad_key_settings_are_refused_naming_the_setting_but_never_the_key(no_ke
     assert key.secret not in repr(key)
 
 
-def test_the_launcher_hands_a_new_key_through_the_environment_only_off_loopback(no_key_in_environment):
-    assert launcher_environment("127.0.0.1") is None and launcher_environment("localhost") is None
-    first, second = launcher_environment("0.0.0.0"), launcher_environment("0.0.0.0")
+def test_the_launcher_hands_a_new_key_per_job_through_the_environment_on_loopback_too(no_key_in_environment):
+    first, second = role_environment("127.0.0.1"), role_environment("0.0.0.0")
     assert JobKey.from_text(first[AUTH_KEY_ENV], "test").secret != second[AUTH_KEY_ENV]
     assert first["PATH"] == os.environ["PATH"]
+    # opted out: on loopback the roles inherit this environment and serve without a key; off it, refused
+    assert role_environment("127.0.0.1", job_key=False) is None and role_environment("localhost", job_key=False) is None
+    with pytest.raises(ValueError, match="--no-job-key: the servers bind 0.0.0.0, off loopback"):
+        role_environment("0.0.0.0", job_key=False)
 
 
 NETNS_SERVER = """

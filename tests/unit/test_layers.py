@@ -66,3 +66,44 @@ def test_the_store_and_its_checkpoint_format_do_not_import_each_other_back():
                                 if isinstance(n, ast.ImportFrom)}
     fmt = (ROOT / "embedding/checkpoint_format.py").read_text()
     assert "from .store" not in fmt and "import store" not in fmt
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in ROOT.rglob("*.py")}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The hybridrec modules a file imports (top-level or inside functions): `from a.b import c`
+    names module a.b.c when there is one, else a.b."""
+    here = path.relative_to(ROOT.parent).with_suffix("").parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in MODULES)
+        elif isinstance(node, ast.ImportFrom):
+            base = (".".join(here[:len(here) - node.level] + ((node.module,) if node.module else ()))
+                    if node.level else node.module or "")
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.add(name if name in MODULES else base)
+    return (found & set(MODULES)) - {_module_name(path)}
+
+
+def test_no_two_modules_import_each_other():
+    """Within a layer too: e.g. the launchers (parallel/launch.py, emulated_hosts.py, ray_launch.py,
+    ray_emulated.py) share their plumbing through parallel/host.py and parallel/roles.py."""
+    imports = {name: _imported_modules(path) for name, path in MODULES.items()}
+    both = sorted({tuple(sorted((a, b))) for a, targets in imports.items() for b in targets if a in imports.get(b, ())})
+    assert not both, "\n".join(f"{a} <-> {b}" for a, b in both)
+
+
+def test_the_launchers_do_not_import_one_another():
+    launchers = {"launch", "emulated_hosts", "ray_launch", "ray_emulated"}
+    edges = [(a, b) for a in launchers for b in launchers - {a}
+             if f"hybridrec.parallel.{b}" in _imported_modules(ROOT / "parallel" / f"{a}.py")]
+    allowed = {("launch", "emulated_hosts"), ("ray_launch", "ray_emulated"), ("ray_emulated", "emulated_hosts")}
+    assert set(edges) <= allowed, edges  # one way only: each dispatches to the one it runs on

@@ -5,10 +5,10 @@ leader pulls that copy toward a centre copy on the PS servers by elastic averagi
 background thread (ShadowSync), so no step waits for another group. With one trainer per group
 this is the EASGD baseline (hybridrec.strategy.dense.easgd).
 
-With strategy.ht.group_ps = p >= 1 the group's copy lives on its p group PS processes instead,
-which run the layers the operator placement puts on them for all the group's trainers and do
-the elastic averaging themselves (hybridrec.hierarchical.group_servers); the trainers keep the
-glue and no parameter.
+With strategy.ht.group_ps = p >= 1 the group's copy lives on its p group PS processes instead
+(server roles the launcher starts, hybridrec.parallel.roles), which run the layers the operator
+placement puts on them for all the group's trainers and do the elastic averaging themselves
+(hybridrec.hierarchical.group_servers); the trainers keep the glue and no parameter.
 
 The job's result is the centre: when every trainer is out of its training loop, each group's
 copy syncs once more and every trainer takes the centre's values, which are evaluated and saved.
@@ -58,8 +58,7 @@ class GroupsDense(DenseSync):
         self.staleness: list[int] = []
         self.shared = self.sync = self.optimizer = self.servers = None
         if ht.group_ps:  # the copy lives on the group's group PSs, which sync it themselves
-            self.servers = GroupServers(model, cfg, world, self.group, self.member, t,
-                                        list(self.centre_client.addresses))
+            self.servers = GroupServers(model, cfg, world, self.group, self.member, t, list(servers.group_ps))
             self.module = self.servers.module
             return
         if world.leader:  # the operator placement of one group, saved with the run (`hybridrec plan` prints it)

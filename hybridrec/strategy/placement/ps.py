@@ -85,7 +85,8 @@ class PSPlacement(PlacementDefaults):
         s = cfg.strategy
         self.cfg, self.tables, self.world = cfg, tables, world
         self.servers = PSEndpoints(tuple(endpoints["ps"]), tuple(endpoints.get("embedding_workers") or ()),
-                                   s.request_timeout, s.retries, s.resolved["value_codec"])
+                                   s.request_timeout, s.retries, s.resolved["value_codec"],
+                                   tuple(endpoints.get("group_ps") or ()))
         self.services = Services(ps=self.servers, background_lookups=True, wire=True)
         self.embedding_workers = list(self.servers.embedding_workers)
         self.ps = self.servers.client()  # checkpoints
