@@ -253,3 +253,17 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int, 
         where = {**{name: hosts.host_of(name) for name in names}, **{node[0]: node[-1] for node in nodes}}
         roles = [replace(role, argv=hosts.wrap(where[role.name], role.argv)) for role in roles]
     return JobPlan(job, roles, addresses[PS], addresses[EMBEDDING_WORKER], shm_names, addresses[GROUP_PS])
+
+
+def prediction_server_role(bundle: str, *, host: str = "127.0.0.1", port: int | None = None,
+                           options: Sequence[str] = (), restarts: int = 3, python: str = sys.executable,
+                           job_key: bool = True) -> Role:
+    """`hybridrec serve BUNDLE` as a server role a supervisor runs (alone, or beside a job's
+    roles), on `port` (None: one free now, kept across restarts). `options`: more of `hybridrec
+    serve`'s flags. With `job_key` the server gets a new job key, so every request but /health
+    needs its bearer token (`python -m hybridrec.comm.auth http-token` with that key)."""
+    port = free_ports(1, host)[0] if port is None else port
+    argv = [python, "-m", "hybridrec.cli", PREDICTION_SERVER.command, bundle, "--host", host, "--port", str(port),
+            *options]
+    return Role(PREDICTION_SERVER.prefix, argv, ready_marker=PREDICTION_SERVER.ready, restarts=restarts,
+                env=role_environment(host, job_key))

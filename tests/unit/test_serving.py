@@ -2,6 +2,7 @@
 scores of the same rows; int8 keeps the AUC; bad input is refused in one line and the server
 stays up; versions swap under load without a failed request and roll back."""
 import json
+import sys
 import threading
 
 import numpy as np
@@ -149,3 +150,27 @@ def test_a_token_is_required_when_the_job_has_a_key(trained, monkeypatch):
         assert server.post("/predict", {"lines": [line]})[0] == 200
     finally:
         server.stop()
+
+
+def test_the_prediction_server_is_a_role_a_supervisor_runs(trained, tmp_path):
+    """The role table's prediction server under the launchers' supervisor: ready once it serves,
+    answering /health, with the job key's token required for predictions, stopped with the job."""
+    from hybridrec.parallel.roles import prediction_server_role
+    from hybridrec.parallel.supervisor import OK, Role, Supervisor
+
+    _, root, _ = trained
+    serve = prediction_server_role(str(root / "bundle-fp32"))
+    url = f"http://127.0.0.1:{serve.argv[serve.argv.index('--port') + 1]}"
+    probe = ("import sys, urllib.request, urllib.error\n"
+             f"assert urllib.request.urlopen('{url}/health', timeout=30).status == 200\n"
+             "try:\n"
+             f"    urllib.request.urlopen(urllib.request.Request('{url}/predict', data=b'{{}}', method='POST'),"
+             " timeout=30)\n"
+             "except urllib.error.HTTPError as error:\n"
+             "    sys.exit(0 if error.code == 401 else error.code)\n"
+             "sys.exit(1)\n")
+    out = tmp_path / "out.log"
+    with out.open("w") as log:
+        supervisor = Supervisor([serve, Role("probe", [sys.executable, "-c", probe], main=True)], out=log, grace=10)
+        assert supervisor.run(timeout=240) == OK, out.read_text()[-3000:]
+    assert "[serve] hybridrec serve: version" in out.read_text()
