@@ -456,8 +456,10 @@ class PicassoSection(_Section):
                                             "and Shuffle&Stitch kernels; off: every table looked up on its own")
     split_packs: bool = Field(False, description="split a pack whose parameter volume (PICASSO Eq. 1) is above "
                                                  "the average into shards of about the smallest pack's volume")
-    interleaving: bool = Field(True, description="D-interleaving: each batch in micro_batches parts whose AllToAll "
-                                                 "overlaps the dense compute of the part before")
+    interleaving: Union[bool, Literal["auto"]] = Field(
+        "auto", description="D-interleaving: each batch in micro_batches parts whose AllToAll overlaps the dense "
+                            "compute of the part before; auto: on where a trainer has 2 cores of its own "
+                            "(hybridrec.picasso.switches says why not in final_metrics.json)")
     micro_batches: int = Field(2, ge=1, le=64, description="D-interleaving: parts per batch (gradients "
                                                           "accumulated, one update per batch)")
     k_groups: int = Field(1, ge=1, le=64, description="K-interleaving: groups of packed operations (Eq. 3: "

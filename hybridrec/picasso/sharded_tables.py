@@ -41,6 +41,7 @@ from hybridrec.embedding.hashing import table_route_id
 from hybridrec.embedding.inputs import EmbeddingInputs
 from hybridrec.picasso.collectives import Collectives, OpCounts
 from hybridrec.picasso.gradient_rounds import PackedBackward, ShardedFunction, update_packed, update_unpacked
+from hybridrec.picasso import switches
 from hybridrec.picasso.hot_rows import HotSet
 from hybridrec.picasso.interleaving import CommThread, cut, part_round
 from hybridrec.picasso.lookup_rounds import Part, Step, lookup_round
@@ -70,7 +71,8 @@ class ShardedTables:
         self.dropped = 0
         self.hot_sets = [HotSet.empty(p) for p in self.packs]
         self.hot_policy = None  # HybridHash, when the hot_cold consistency attached it
-        self.interleaving = options.interleaving and options.micro_batches > 1
+        self.interleaving, self.interleaving_reason = switches.interleaving(options.interleaving,
+                                                                            options.micro_batches, world.size)
         # every collective of this group runs on one thread, in the order asked for, so the lookup
         # of the next micro-batch may run while the dense model computes
         self.thread = CommThread(self.interleaving and world.size > 1)
@@ -216,7 +218,8 @@ class ShardedTables:
 
     # ------------------------------------------------------------ facts
     def facts(self) -> dict:
-        out = {"packs": [{"side": p.side, "dim": p.dim, "tables": len(p.tables)} for p in self.packs]
+        out = {"interleaving": {"on": self.interleaving, "why": self.interleaving_reason},
+               "packs": [{"side": p.side, "dim": p.dim, "tables": len(p.tables)} for p in self.packs]
                if self.packing else len(self.unpacked),
                "ops_per_step": self.ops.as_dict(self.steps),
                "embedding_rows": {side: sum(len(self.stores[t]) for t in self._side_tables(side))
