@@ -29,6 +29,8 @@ BENCHMARKS = {
               "AUC by precision, delta bytes, freshness, failures during swaps"),
     "staleness": ("hybridrec.benchmarks.staleness", "emulated W-worker sync / hybrid / async / HET / SSP / HT runs "
                   "(hybridrec.lab): AUC gaps to sync by tau and W, the claims, the oracle check against real jobs"),
+    "speedups": ("hybridrec.benchmarks.speedups", "each strategy's samples/s against its paper's baseline on loopback and "
+                 "on emulated hosts where the baseline is link-bound; the cost model's error (--calibration)"),
 }
 # `hybridrec bench` commands that measure nothing
 BENCH_TOOLS = {
@@ -200,6 +202,20 @@ def cmd_launch(args) -> int:
         return 2
 
 
+def cmd_calibrate(args) -> int:
+    from hybridrec.costs.calibrate import calibrate, write
+
+    calibration = calibrate(args.configs, args.repeats, args.set)
+    path = write(calibration, args.out)
+    print(json.dumps(calibration) if args.json else
+          f"calibration: {path}\n  kernel {calibration['kernel']['s_per_key'] * 1e9:.0f} ns per key; round trip "
+          f"{calibration['transport']['round_trip_s'] * 1e6:.0f} us; transport "
+          f"{calibration['transport']['bytes_per_s'] / 1e6:.0f} MB/s; {calibration['machine']['cores']} cores\n"
+          + "\n".join(f"  {c}: dense {d['s_per_sample'] * 1e6:.1f} us per sample (batch {d['batch_size']})"
+                      for c, d in calibration["dense"].items()))
+    return 0
+
+
 def cmd_plan(args) -> int:
     from hybridrec.config import load_config
     from hybridrec.hierarchical.operator_placement import plan_for_config
@@ -307,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print every model (model.name) with its hyper-parameters (model.hparams), "
                        "their defaults and what they do.")
     p.set_defaults(func=cmd_models)
+
+    from hybridrec.costs.calibrate import DEFAULT_CONFIGS
+
+    p = sub.add_parser("calibrate", help="measure this machine's per-operation costs for the throughput cost model",
+                       description="Time the dense models of job configs, the embedding kernels and the PS transport "
+                       "on this machine and write them to a calibration file, which `hybridrec bench speedups "
+                       "--calibration FILE` predicts every run from (hybridrec.costs).")
+    p.add_argument("configs", nargs="*", default=list(DEFAULT_CONFIGS),
+                   help="job configs whose dense models to time (default: bench speedups' configs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per measurement, their median (default 5)")
+    p.add_argument("--out", default="calibration.json", help="the calibration file (default calibration.json)")
+    p.add_argument("--json", action="store_true", help="print the calibration as one JSON line")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("plan", help="print where Hierarchical Training places the dense model's operators",
                        description="Place the dense model's operators on a group's trainers and group PSs "

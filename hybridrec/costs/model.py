@@ -1,0 +1,160 @@
+"""The throughput cost model: a job's samples/s on a described cluster, from a calibration of
+per-operation costs (`hybridrec calibrate`, hybridrec.costs.calibrate) and the job's traffic.
+
+A job (`Job`) is one side of a strategy pair as `hybridrec bench speedups` runs it: its config
+(whose dense model the calibration timed), its trainers, the embedding payload it moves per
+sample, how many hosts' links share its busiest hop, and whether it overlaps communication with
+compute. A cluster (`Cluster`) gives the link rate, the cores, whether every process shares those
+cores (emulated hosts on one machine) or each trainer has its own, the one-way latency, and how
+much faster than one calibrated core a trainer's dense compute runs (a GPU).
+
+Per sample, three bounds (each a samples/s ceiling of the whole job):
+  cpu      dense forward/backward/step + the embedding engine's lookup and update of the sample's
+           keys + serialising its payload at both ends (the calibrated transport bytes/s), over
+           the cores the job has: all of them when shared, else trainers x cores per trainer;
+  latency  ROUND_TRIPS request round trips per step per trainer (a lookup and a push, a read and
+           an allreduce), each the calibrated loopback round trip plus twice the one-way latency;
+  link     the payload on the busiest hop at the link rate (none on loopback).
+A job that overlaps communication with compute (HET's read-ahead, Persia's bounded pipeline, the
+asynchronous baselines) runs at the slower of cpu and communication (latency + link); one that
+does not (sync) pays their sum.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROUND_TRIPS = 2
+# (strategy, side) -> whether the job overlaps its communication with compute
+OVERLAPS = {("het", "baseline"): False, ("het", "strategy"): True,
+            ("hybrid", "baseline"): False, ("hybrid", "strategy"): True,
+            ("picasso", "baseline"): False, ("picasso", "strategy"): False,
+            ("des", "baseline"): True, ("des", "strategy"): False,
+            ("ht", "baseline"): True, ("ht", "strategy"): True}
+
+
+@dataclass(frozen=True)
+class Job:
+    config: str  # its dense model's entry in the calibration
+    trainers: int
+    batch_size: int
+    keys_per_sample: float  # embedding IDs a sample looks up, every table together
+    bytes_per_sample: float  # embedding payload between processes per training sample
+    busiest_share: int  # hosts whose links carry that payload side by side
+    overlaps: bool
+
+
+@dataclass(frozen=True)
+class Cluster:
+    rate_bits: float | None  # each host's link, bits/s; None: loopback
+    cores: float  # shared: the machine's cores; else each trainer's
+    shared: bool  # every process of the job runs on the same `cores`
+    latency_s: float = 0.0  # one way, between two hosts
+    dense_speedup: float = 1.0  # a trainer's dense compute against one calibrated core
+
+
+def keys_per_sample(cfg) -> float:
+    """Embedding IDs one sample looks up (every deep and wide table; multi-hot fields at their
+    mean length)."""
+    from hybridrec.job.tables import job_tables
+
+    tables = job_tables(cfg)
+    per_feature = {name: 1.0 for name in tables.sparse_names}
+    synthetic = cfg.data.synthetic
+    if cfg.data.format == "synthetic" and synthetic.n_multi_hot:
+        mean = (1 + synthetic.multi_hot_max_length) / 2
+        for name in tables.sparse_names[synthetic.n_categorical:]:
+            per_feature[name] = mean
+    return float(sum(per_feature[f] for f in tables.deep_map) + sum(per_feature[f] for f in tables.wide_map))
+
+
+def job_of(config: str, overrides: list[str], strategy: str, side: str, trainers: int, bytes_per_sample: float,
+           busiest_share: int) -> Job:
+    from hybridrec.config import load_config
+
+    cfg = load_config(config, overrides)
+    return Job(config, trainers, cfg.data.batch_size, keys_per_sample(cfg), float(bytes_per_sample or 0.0),
+               busiest_share, OVERLAPS[(strategy, side)])
+
+
+def bounds(calibration: dict, job: Job, cluster: Cluster) -> dict:
+    """Each bound in samples/s (see the module doc)."""
+    dense = calibration["dense"][job.config]["s_per_sample"] / cluster.dense_speedup
+    transport = calibration["transport"]
+    cpu_per_sample = (dense + 2 * job.keys_per_sample * calibration["kernel"]["s_per_key"]
+                      + 2 * job.bytes_per_sample / transport["bytes_per_s"])
+    cores = cluster.cores if cluster.shared else cluster.cores * job.trainers
+    round_trip = transport["round_trip_s"] + 2 * cluster.latency_s
+    link = (cluster.rate_bits / 8 * job.busiest_share / job.bytes_per_sample
+            if cluster.rate_bits and job.bytes_per_sample else float("inf"))
+    return {"cpu": cores / cpu_per_sample, "latency": job.trainers * job.batch_size / (ROUND_TRIPS * round_trip),
+            "link": link}
+
+
+def predict(calibration: dict, job: Job, cluster: Cluster) -> float:
+    """The job's samples/s on the cluster."""
+    b = bounds(calibration, job, cluster)
+    communication = 1 / b["latency"] + 1 / b["link"]
+    seconds = max(1 / b["cpu"], communication) if job.overlaps else 1 / b["cpu"] + communication
+    return 1 / seconds
+
+
+def load(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# ---------------------------------------------------------------- the papers' clusters
+# Each paper's own setup as far as it describes it; the jobs are ours (our data, our models).
+def _paper(cluster: Cluster, described: str, reported: str, direction: int = 1) -> dict:
+    return {"cluster": cluster, "described": described, "reported": reported, "direction": direction}
+
+
+PAPERS = {
+    "het": _paper(Cluster(1e9, 8, False, 0.0001, 20.0), "HET §5 cluster A: GPU workers and CPU servers on 1 Gbit/s "
+                  "Ethernet", "HET 1.37-20.68x over the baselines (no cache: Fig. 9)"),
+    "hybrid": _paper(Cluster(100e9, 16, False, 0.00005, 100.0), "Persia §5: GPU trainers, CPU embedding PS, "
+                     "100 Gbit/s", "Persia Fig. 7: hybrid faster than sync"),
+    "picasso": _paper(Cluster(100e9, 8, False, 0.00005, 50.0), "PICASSO §V: 8-GPU servers on 100 Gbit/s (RDMA)",
+                      "PICASSO: 1.9-10x over plain model parallelism, 6x on average in production"),
+    "des": _paper(Cluster(10e9, 32, False, 0.0001, 1.0), "DES: CPU servers on 10 Gbit/s",
+                  "DES: faster than the PS (fewer bytes, synchronous)"),
+    "ht": _paper(Cluster(25e9, 32, False, 0.0001, 1.0), "Hierarchical Training: CPU trainers on 25 Gbit/s",
+                 "HT: faster than flat EASGD-style training"),
+}
+
+
+def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | None) -> dict:
+    """The cost model against every run of `hybridrec bench speedups` (its `runs`: setting ->
+    strategy -> {"baseline": [...], "strategy": [...], "jobs": {side: Job fields}}): the median
+    absolute relative error; and each paper's cluster projected with the loopback runs' traffic."""
+    from hybridrec.picasso.switches import machine_cores
+
+    calibration = load(calibration_path)
+    cores = calibration["machine"]["cores"] or machine_cores()
+    settings = {"loopback": Cluster(None, cores, True), "link_bound": Cluster(rate_bits, cores, True)}
+    errors, predicted = [], {}
+    for setting, by_strategy in runs.items():
+        for name, result in by_strategy.items():
+            for side in ("baseline", "strategy"):
+                job = Job(**result["jobs"][side])
+                guess = predict(calibration, job, settings[setting])
+                for run in result[side]:
+                    if run["samples_per_s"]:
+                        errors.append(abs(guess - run["samples_per_s"]) / run["samples_per_s"])
+                predicted[f"{setting} {name} {side}"] = guess
+    papers = {}
+    for name, paper in PAPERS.items():
+        result = runs.get("loopback", {}).get(name)
+        if not result:
+            continue
+        jobs = {side: Job(**{**result["jobs"][side], "trainers": 8}) for side in ("baseline", "strategy")}
+        ratio = predict(calibration, jobs["strategy"], paper["cluster"]) / predict(calibration, jobs["baseline"],
+                                                                                   paper["cluster"])
+        papers[name] = {"projected": ratio, "cluster": paper["described"], "reported": paper["reported"],
+                        "cluster_model": asdict(paper["cluster"]),
+                        "direction_reproduced": (ratio > 1) == (paper["direction"] > 0)}
+    return {"median_abs_error": statistics.median(errors) if errors else None, "predicted_runs": len(errors),
+            "predicted": predicted, "papers": papers, "calibration": calibration,
+            "clusters": {setting: asdict(cluster) for setting, cluster in settings.items()}}
