@@ -92,6 +92,7 @@ class _Job:
     error: BaseException | None = None
     reported: bool = False  # its error reached a request (the next identical one starts afresh)
     result: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # the request's meta, which a load reads
 
     def reply(self) -> dict:
         if not self.done.is_set():
@@ -107,10 +108,10 @@ class CheckpointJobs:
 
     `entries()` names what a checkpoint writes into its directory; `write(handle)` saves every
     table and the dense params into the open checkpoint directory and returns the tables' names;
-    `read(handle)` replaces them from one and returns the tables' names."""
+    `read(handle, meta)` replaces them from one (as the request's meta says) and returns the tables' names."""
 
     def __init__(self, root: CheckpointRoot | None, entries: Callable[[], list[str]],
-                 write: Callable[[DirHandle], list[str]], read: Callable[[DirHandle], list[str]]):
+                 write: Callable[[DirHandle], list[str]], read: Callable[[DirHandle, dict], list[str]]):
         self.root = root
         self._entries, self._write, self._read = entries, write, read
         self._lock = threading.Lock()
@@ -138,15 +139,15 @@ class CheckpointJobs:
                 raise ValueError(f"a {self._running.kind} of {self._running.shown!r} is running on this server; "
                                  f"send this request again once it has finished")
             else:
-                job = self._start(kind, parts, token, key)
+                job = self._start(kind, parts, token, key, meta)
         job.done.wait(wait)
         return job.reply()
 
-    def _start(self, kind: str, parts: list[str], token: str | None, key: tuple[str, str]) -> _Job:
+    def _start(self, kind: str, parts: list[str], token: str | None, key: tuple[str, str], meta: dict) -> _Job:
         """A new job (the lock is held). The directory is opened, and a checkpoint's checked
         and prepared, before this returns, so a bad request fails at once."""
         handle = self.root.open(parts, create=kind == "checkpoint")
-        job = _Job(kind, handle.path, token)
+        job = _Job(kind, handle.path, token, options=dict(meta))
         try:
             if kind == "checkpoint" and self._prepare(handle, token, self._entries()):
                 job.result = {"tables": (_read_marker(handle) or {}).get("tables", [])}
@@ -178,7 +179,7 @@ class CheckpointJobs:
                     _mark(handle, job.token, "complete", self._entries(), tables)
                     job.result = {"tables": tables}
                 else:
-                    job.result = {"tables": self._read(handle)}
+                    job.result = {"tables": self._read(handle, job.options)}
         except BaseException as error:  # handed to the request that polls it
             job.error = error if isinstance(error, (ValueError, OSError)) else RuntimeError(
                 f"{job.kind} of {job.shown!r} failed: {type(error).__name__}: {error}")

@@ -39,6 +39,7 @@ from hybridrec.embedding.buckets import shard_of
 from hybridrec.embedding.dedupe import first_seen_unique
 from hybridrec.embedding.hashing import table_route_id
 from hybridrec.ps.dense import check_optimizer, check_tensors
+from hybridrec.ps.ownership import MAX_FREEZE_SECONDS, mask_hex
 from hybridrec.ps.routing import RoutingTable
 
 
@@ -461,33 +462,44 @@ class PSClient:
         return sum(sum(reply.meta["expired"].values()) for reply in replies)
 
     def checkpoint(self, directory: str | Path) -> list[Path]:
-        """Every shard saves its tables under `directory` (a path the servers can write); waits
-        until every shard is done (at most `job_timeout` seconds)."""
+        """Every server saves its tables and the buckets it holds under `directory` (a path the
+        servers can write), as shard i of the current routing table; waits until every one is
+        done (at most `job_timeout` seconds). No bucket moves meanwhile (`freeze`)."""
         paths = [shard_directory(directory, s, self.num_shards) for s in range(self.num_shards)]
-        self._job("checkpoint", [str(path) for path in paths])
+        self._broadcast("freeze", lambda s: {"seconds": min(self.job_timeout, MAX_FREEZE_SECONDS)})
+        try:
+            self._job("checkpoint", [{"directory": str(path)} for path in paths])
+        finally:
+            self._broadcast("freeze", lambda s: {"seconds": 0})
         return paths
 
     def load(self, directory: str | Path) -> None:
-        """Every shard replaces its tables with the checkpoint `checkpoint(directory)` wrote."""
-        self._job("load", [str(shard_directory(directory, s, self.num_shards)) for s in range(self.num_shards)])
+        """Every server replaces its tables with the rows of its buckets (by the current routing
+        table) from the checkpoint `checkpoint(directory)` wrote, with any number of servers;
+        the dense params from the shard of the same index."""
+        owners = self.routing.owners
+        self._job("load", [{"directory": str(directory), "owned": mask_hex(owners == s),
+                            "dense_from": shard_directory(directory, s, len(self.addresses)).name}
+                           for s in range(self.num_shards)])
 
-    def _job(self, op: str, directories: list[str]) -> None:
-        """Start a checkpoint or load on every shard and poll until each is done: the same
-        request (one token for all its attempts) is sent again while a shard answers "running",
-        so a retry after a timeout, or to a shard restarted meanwhile, resumes the same work."""
+    def _job(self, op: str, metas: list[dict]) -> None:
+        """Start a checkpoint or load on every server (one meta each) and poll until each is
+        done: the same request (one token for all its attempts) is sent again while a server
+        answers "running", so a retry after a timeout, or to a server restarted meanwhile,
+        resumes the same work."""
         token = secrets.token_hex(12)
         deadline = time.monotonic() + self.job_timeout
         waiting, delay = list(range(self.num_shards)), 0.05
         while True:
             shards = self.shards
-            requests = [(shards[s], op, {}, {"directory": directories[s], "token": token}) for s in waiting]
+            requests = [(shards[s], op, {}, {**metas[s], "token": token}) for s in waiting]
             replies = request_all(requests, idempotent=True)
             waiting = [s for s, reply in zip(waiting, replies) if reply.meta.get("state") == "running"]
             if not waiting:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{op} to {directories[waiting[0]]!r}: shards {waiting} still running after "
-                                   f"{self.job_timeout:.0f}s (PSClient job_timeout)")
+                raise TimeoutError(f"{op} to {metas[waiting[0]]['directory']!r}: servers {waiting} still running "
+                                   f"after {self.job_timeout:.0f}s (PSClient job_timeout)")
             time.sleep(delay)
             delay = min(2 * delay, 1.0)
 

@@ -35,10 +35,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hybridrec.comm.auth import FROM_ENVIRONMENT
-from hybridrec.comm.transport import Client, Message
+from hybridrec.comm.transport import Client, Message, RemoteError
 from hybridrec.embedding.buckets import NUM_BUCKETS
+from hybridrec.ps.ownership import FROZEN
 from hybridrec.ps.routing import NO_SERVER, RoutingTable, backups_for, compact, plan_servers
 
+FROZEN_WAIT_SECONDS = 3600.0  # how long a move waits for the job's checkpoint to finish
 MOVE_BATCH = 64  # buckets moved per step: the pause of one step is the copy of this many buckets
 
 
@@ -90,7 +92,14 @@ class Coordinator:
         if table is not None:
             wire_arrays, wire_meta = table.to_wire()
             arrays, meta = {**(arrays or {}), **wire_arrays}, {**(meta or {}), **wire_meta}
-        return self._client(address).request(op, arrays or {}, meta or {}, idempotent=idempotent)
+        deadline = time.monotonic() + FROZEN_WAIT_SECONDS
+        while True:
+            try:
+                return self._client(address).request(op, arrays or {}, meta or {}, idempotent=idempotent)
+            except RemoteError as error:  # a checkpoint runs: moves wait for it
+                if error.message != FROZEN or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
 
     def _install(self, table: RoutingTable, addresses: Sequence[str], assume: bool) -> None:
         for address in addresses:

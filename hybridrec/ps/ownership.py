@@ -29,12 +29,15 @@ Operations (added to the server's):
                  rows replace any held for those buckets, which are then served (or, with
                  `backup`, kept as their backup)
   bucket_drop    arrays buckets: the rows of those buckets, exported earlier, are deleted
+  freeze         meta {seconds}: no bucket is exported or dropped for that long (a checkpoint
+                 of the job runs; 0 ends it)
 """
 from __future__ import annotations
 
 import json
 import os
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -43,11 +46,14 @@ import numpy as np
 
 from hybridrec.comm.transport import Message, Operation
 from hybridrec.embedding import EmbeddingStore
-from hybridrec.embedding.buckets import NUM_BUCKETS, bucket_of
+from hybridrec.embedding.buckets import NUM_BUCKETS, bucket_of, static_owners
 from hybridrec.embedding.hashing import table_route_id
+from hybridrec.ps.resharding import SHARD
 from hybridrec.ps.routing import RoutingTable
 
 STATE_FILE = "state.json"
+MAX_FREEZE_SECONDS = 4 * 3600.0
+FROZEN = "buckets are frozen while a checkpoint runs; send this again once it is done"
 
 
 class SharedLock:
@@ -99,6 +105,20 @@ def check_buckets(array: Any, name: str = "buckets") -> np.ndarray:
     return array
 
 
+def mask_hex(mask: np.ndarray) -> str:
+    return np.packbits(mask).tobytes().hex()
+
+
+def parse_mask(text: Any, name: str = "owned") -> np.ndarray:
+    """bool[NUM_BUCKETS] from its hex form (`mask_hex`), or ValueError naming meta `name`."""
+    if not isinstance(text, str) or len(text) != NUM_BUCKETS // 4:
+        raise ValueError(f"meta {name!r} must be {NUM_BUCKETS // 4} hex digits (a bucket mask), got {text!r:.40}")
+    try:
+        return np.unpackbits(np.frombuffer(bytes.fromhex(text), np.uint8)).astype(bool)
+    except ValueError:
+        raise ValueError(f"meta {name!r} must be hex digits (a bucket mask), got {text!r:.40}") from None
+
+
 def mask_of(buckets: np.ndarray) -> np.ndarray:
     mask = np.zeros(NUM_BUCKETS, dtype=bool)
     mask[buckets] = True
@@ -131,6 +151,7 @@ class BucketOwnership:
         self.owned = np.zeros(NUM_BUCKETS, dtype=bool)
         self.backed = np.zeros(NUM_BUCKETS, dtype=bool)
         self.outgoing = np.zeros(NUM_BUCKETS, dtype=bool)
+        self.frozen_until = 0.0  # buckets are not exported or dropped before (a checkpoint runs)
         self.counts = {"redirects": 0, "buckets_exported": 0, "buckets_imported": 0, "bytes_moved": 0}
         self._route_ids: dict[str, int] = {}
         self._restore()
@@ -160,15 +181,14 @@ class BucketOwnership:
         self.table = RoutingTable.from_json(state["table"])
         self.slot = state["slot"]
         for name in ("owned", "backed", "outgoing"):
-            setattr(self, name, np.unpackbits(np.frombuffer(bytes.fromhex(state[name]), np.uint8))[:NUM_BUCKETS]
-                    .astype(bool))
+            setattr(self, name, parse_mask(state[name], name))
 
     def _persist(self) -> None:
         if self.state_dir is None or self.table is None:
             return
         self.state_dir.mkdir(parents=True, exist_ok=True)
         state = {"table": self.table.to_json(), "slot": self.slot,
-                 **{name: np.packbits(getattr(self, name)).tobytes().hex() for name in ("owned", "backed", "outgoing")}}
+                 **{name: mask_hex(getattr(self, name)) for name in ("owned", "backed", "outgoing")}}
         temporary = self.state_dir / f".{STATE_FILE}.tmp-{os.getpid()}"
         temporary.write_text(json.dumps(state))
         os.replace(temporary, self.state_dir / STATE_FILE)
@@ -177,13 +197,22 @@ class BucketOwnership:
         if table is not None and (self.table is None or table.version > self.table.version):
             self.table = table
 
-    def claims(self) -> dict[str, Any]:
-        """What a checkpoint of this server records: the table's version, the buckets it owned
-        and those it exported but still holds (`hybridrec.ps.migration.choose_sources` reads it)."""
-        with self.lock.exclusive():
-            return {"version": -1 if self.table is None else self.table.version, "enforcing": self.enforcing,
-                    "owned": np.packbits(self.owned).tobytes().hex(),
-                    "outgoing": np.packbits(self.outgoing).tobytes().hex()}
+    def claims(self, directory: str) -> dict[str, Any]:
+        """What a checkpoint of this server into `directory` (.../shard-<i>-of-<n>) records: its
+        routing table, the buckets it owned and those it exported but still holds
+        (`hybridrec.ps.resharding.choose_sources` reads it). A server that checks no ownership
+        held the buckets of shard i in the static table of n servers (every bucket, written
+        elsewhere). Call it holding `lock`."""
+        owned = self.owned
+        if not self.enforcing:
+            match = SHARD.fullmatch(os.path.basename(directory.rstrip("/")))
+            owned = np.ones(NUM_BUCKETS, bool) if match is None else static_owners(int(match[2])) == int(match[1])
+        return {"version": 0 if self.table is None else self.table.version,
+                "table": None if self.table is None else json.loads(self.table.to_json()),
+                "owned": mask_hex(owned), "outgoing": mask_hex(self.outgoing)}
+
+    def frozen(self) -> bool:
+        return time.monotonic() < self.frozen_until
 
     # ---------------------------------------------------------------- requests
     def refusal(self, op: str, tables: Sequence[str], keys: Sequence[np.ndarray], *,
@@ -205,7 +234,17 @@ class BucketOwnership:
         return {"routing": Operation(self._routing), "routing_set": Operation(self._routing_set, arrays=None),
                 "bucket_export": Operation(self._export, arrays=None),
                 "bucket_import": Operation(self._import, arrays=None),
-                "bucket_drop": Operation(self._drop, {"buckets": "int64"})}
+                "bucket_drop": Operation(self._drop, {"buckets": "int64"}),
+                "freeze": Operation(self._freeze)}
+
+    def _freeze(self, request: Message) -> Message:
+        """meta {seconds}: refuse to export or drop buckets for that long (0: from now on again)."""
+        seconds = request.meta.get("seconds")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_FREEZE_SECONDS:
+            raise ValueError(f"meta 'seconds' must be a number in [0, {MAX_FREEZE_SECONDS}], got {seconds!r:.40}")
+        with self.lock.exclusive():
+            self.frozen_until = time.monotonic() + seconds
+        return Message("freeze", meta={"frozen": seconds > 0})
 
     def _stores_named(self, tables: Any) -> tuple[list[str], dict[str, EmbeddingStore]]:
         stores = self._stores()
@@ -248,6 +287,8 @@ class BucketOwnership:
         table = RoutingTable.from_wire(request.arrays, request.meta)
         moving = mask_of(buckets)
         with self.lock.exclusive():
+            if self.frozen():
+                raise ValueError(FROZEN)
             if self.enforcing and not self.owned[buckets].all():
                 raise ValueError(f"bucket_export: this server does not own buckets "
                                  f"{buckets[~self.owned[buckets]][:8].tolist()}")
@@ -295,6 +336,8 @@ class BucketOwnership:
         buckets = check_buckets(request.arrays["buckets"])
         stores = self._stores()
         with self.lock.exclusive():
+            if self.frozen():
+                raise ValueError(FROZEN)
             gone = mask_of(buckets) & ~self.owned & ~self.backed
             dropped = sum(store.remove_where(self.in_mask(name, gone)) for name, store in stores.items())
             self.outgoing &= ~gone

@@ -70,6 +70,7 @@ from hybridrec.comm.auth import FROM_ENVIRONMENT, AuthError, JobKey, server_key
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import MAX_HEADER_BYTES, Message, Operation, Server, Service
 from hybridrec.embedding import EmbeddingStore, TableConfig
+from hybridrec.embedding import checkpoint_format
 from hybridrec.embedding.dir_handle import DirHandle, Entry
 from hybridrec.embedding.memory import unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
@@ -77,7 +78,8 @@ from hybridrec.ps.client import part_arrays, split_parts
 from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
-from hybridrec.ps.ownership import BucketOwnership
+from hybridrec.ps.ownership import BucketOwnership, parse_mask
+from hybridrec.ps.resharding import ROUTING_FILE, load_owned
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
 LISTENING = " listening on "  # what `main` prints, with the address, once it serves
@@ -358,28 +360,60 @@ class EmbeddingServer(Service):
         return Message("load", meta=self.checkpoints.request("load", request.meta))
 
     def _checkpoint_entries(self) -> list[str]:
-        """What a checkpoint writes into its directory: each table, and the dense params."""
+        """What a checkpoint writes into its directory: each table, the dense params and the
+        routing claims (`hybridrec.ps.resharding`)."""
         with self._swap:
-            return [*self.stores, DENSE_DIRECTORY]
+            return [*self.stores, DENSE_DIRECTORY, ROUTING_FILE]
 
     def _write_checkpoint(self, directory: DirHandle) -> list[str]:
-        """Save every table (each at one instant, under its own lock) and the dense params into
-        the open `directory`; the tables' names."""
+        """Save every table, the dense params and which buckets this server held into the open
+        `directory`; the tables' names. The tables are copied and the buckets read at one
+        instant (no request is applied meanwhile), then written."""
         with self._swap:
             stores, dense = dict(self.stores), self.dense
-        for name, store in stores.items():
-            store.save(Entry(directory, name))
+        with self.ownership.lock.exclusive():
+            claims = self.ownership.claims(directory.path)
+            snapshots = {name: store.snapshot() for name, store in stores.items()}
+        for name, snapshot in snapshots.items():
+            checkpoint_format.write(Entry(directory, name), snapshot)
         dense.save(Entry(directory, DENSE_DIRECTORY))
+        directory.write_durably(ROUTING_FILE, json.dumps(claims).encode())
         return list(stores)
 
-    def _read_checkpoint(self, directory: DirHandle) -> list[str]:
-        """Replace every table and the dense params by the checkpoint in the open `directory`."""
+    def _read_checkpoint(self, directory: DirHandle, meta: dict) -> list[str]:
+        """Replace every table and the dense params by the checkpoint in the open `directory`;
+        with meta 'owned' (the buckets this server serves, hex), `directory` holds every shard
+        of a checkpoint, and of each table the rows of those buckets are read from them all
+        (`hybridrec.ps.resharding`), the dense params from the shard meta 'dense_from' names."""
+        if meta.get("owned") is not None:
+            owned = parse_mask(meta["owned"])
+            with self._swap:
+                current = dict(self.stores)
+            parts = load_owned(directory, current, owned)
+            loaded = {}
+            for name, (rows, row_meta) in parts.items():
+                loaded[name] = EmbeddingStore(current[name].config)
+                loaded[name].insert_rows(rows, row_meta)
+            dense_from = meta.get("dense_from")
+            dense = DenseStore(self.dense.declared)
+            if isinstance(dense_from, str) and directory.is_dir(dense_from):
+                with directory.sub(dense_from) as shard:
+                    dense = DenseStore.load(Entry(shard, DENSE_DIRECTORY), self.dense.declared)
+            return self._replace(loaded, dense, lambda name, shm_name: EmbeddingStore(
+                current[name].config, shm_name=shm_name), parts)
         missing = [name for name in self.stores if not directory.is_dir(name)]
         if missing:
             raise ValueError(f"meta 'directory' {directory.path!r} has no checkpoint of tables {missing}")
         # Read (and checksum) every table before replacing any, so a bad checkpoint changes nothing.
         loaded = {name: EmbeddingStore.load(Entry(directory, name)) for name in self.stores}
         dense = DenseStore.load(Entry(directory, DENSE_DIRECTORY), self.dense.declared)
+        return self._replace(loaded, dense, lambda name, shm_name: EmbeddingStore.load(
+            Entry(directory, name), shm_name=shm_name))
+
+    def _replace(self, loaded: dict[str, EmbeddingStore], dense: DenseStore, reopen,
+                 parts: dict | None = None) -> list[str]:
+        """Put the `loaded` stores and `dense` in place; a store kept in shared memory is made
+        again there by `reopen(name, shm_name)` (and refilled from `parts`)."""
         with self._swap:
             self.dense = dense
             for name, old in list(self.stores.items()):
@@ -387,7 +421,9 @@ class EmbeddingServer(Service):
                 if shm_name is not None:  # the restarted server must find the loaded rows
                     old.close()
                     unlink_shared(shm_name)
-                    loaded[name] = EmbeddingStore.load(Entry(directory, name), shm_name=shm_name)
+                    loaded[name] = reopen(name, shm_name)
+                    if parts is not None:
+                        loaded[name].insert_rows(*parts[name])
                 self.stores[name] = loaded[name]
         return sorted(self.stores)
 

@@ -102,3 +102,40 @@ def test_a_server_refuses_a_bucket_it_does_not_own_with_its_newer_table_and_surv
                         {"tables": ["user"]})
         assert raw.request("ping").meta["pid"]
     coordinator.close()
+
+
+def test_a_checkpoint_taken_mid_migration_loads_into_any_server_count(tmp_path):
+    root = tmp_path / "ckpt"
+    running = [serve(tables=TABLES, block=False, key=None, checkpoint_root=root) for _ in range(3)]
+    addresses = [s.address for s in running]
+    coordinator = Coordinator(addresses[:2], list(TABLES), key=None, batch=8)
+    coordinator.start()
+    keys = np.arange(4000, dtype=np.uint64)
+    try:
+        with PSClient(addresses[:2], key=None) as client:
+            client.lookup_tables({t: keys for t in TABLES})
+            client.push_tables({t: (keys, np.ones((len(keys), spec["dim"]), np.float32)) for t, spec in TABLES.items()})
+            expected = {t: client.lookup(t, keys, insert=False) for t in TABLES}
+            mover = threading.Thread(target=coordinator.scale_to, args=(addresses,))
+            mover.start()
+            while coordinator.metrics.buckets_moved == 0:
+                mover.join(0.01)
+            client.refresh_routing()
+            client.checkpoint(root / "mid")
+            assert mover.is_alive() or coordinator.metrics.buckets_moved < 1365  # taken while buckets moved
+            mover.join(60)
+        for count in (1, 2, 4):
+            fresh = [serve(tables=TABLES, block=False, key=None, checkpoint_root=root) for _ in range(count)]
+            try:
+                with PSClient([s.address for s in fresh], key=None) as loader:
+                    loader.load(root / "mid")
+                    for t in TABLES:
+                        np.testing.assert_array_equal(loader.lookup(t, keys, insert=False), expected[t])
+                    assert sum(len(s.stores["user"]) for s in fresh) == len(keys)
+            finally:
+                for server in fresh:
+                    server.stop(timeout=5)
+    finally:
+        coordinator.close()
+        for server in running:
+            server.stop(timeout=5)

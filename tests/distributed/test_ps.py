@@ -177,7 +177,7 @@ def test_checkpoint_then_load_restores_the_rows_of_the_checkpoint(local_server, 
         client.checkpoint(tmp_path / "ckpt")
         client.push("user", keys, grads)
         assert not np.array_equal(client.lookup("user", keys, insert=False), saved)
-        with pytest.raises(RemoteError, match="elsewhere/shard-0000-of-0001' does not exist"):
+        with pytest.raises(RemoteError, match="elsewhere' does not exist"):
             client.load(tmp_path / "elsewhere")
         (tmp_path / "empty" / "shard-0000-of-0001").mkdir(parents=True)
         with pytest.raises(RemoteError, match="has no checkpoint of tables"):

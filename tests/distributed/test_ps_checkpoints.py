@@ -111,7 +111,7 @@ def test_a_retried_checkpoint_cleans_its_own_partial_output_and_keeps_others_fil
             raw.request("checkpoint", meta={"directory": "step-1", "token": "t2"})
         reply = raw.request("checkpoint", meta={"directory": "step-1", "token": "t1", "wait": 10})
         assert reply.meta["state"] == "done" and reply.meta["tables"] == ["user"]
-        assert sorted(p.name for p in partial.iterdir()) == [MARKER, "notes.txt", "user"]
+        assert sorted(p.name for p in partial.iterdir()) == [MARKER, "notes.txt", "routing.json", "user"]
         assert (partial / "notes.txt").read_text() == "someone else's"
         written = (partial / "user" / "manifest.json").stat().st_mtime_ns
         again = raw.request("checkpoint", meta={"directory": "step-1", "token": "t1"})  # a retry after a lost reply
