@@ -4,15 +4,18 @@ Starts `--servers` PS processes on 127.0.0.1, fills one table with `--rows` keys
 on the same batches of `--batch` distinct keys, interleaved within every repetition:
   gather  a plain numpy gather of the same rows from an in-process float32 array (the ceiling);
   store   `EmbeddingStore.pull` in-process (hash probe + gather, no network);
-  ps      `PSClient.lookup` through the servers (dedup, route, ZeroMQ, reassembly).
+  ps      `PSClient.lookup` through the servers (dedup, route, ZeroMQ, reassembly);
+  keyed   (with `--job-key`) the same through servers of their own that have a job key, as
+          `hybridrec launch` gives every job by default: CURVE encrypts every frame.
 Reports GB/s of float32 embedding payload handed to the caller (keys * dim * 4 bytes; with
 `--codec fp16` the wire carries about half of that), PS GB/s per server process, and the
-median over repetitions of the paired ratios ps/gather and ps/store.
+median over repetitions of the paired ratios ps/gather and ps/store (and keyed/ps).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -24,6 +27,7 @@ from hybridrec.benchmarks.timing import (
     TimingPlan, add_timing_arguments, measure_interleaved, paired_ratio, positive_int,
     single_thread, timing_plan_from_args, warm_up,
 )
+from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, JobKey
 from hybridrec.embedding import EmbeddingStore
 from hybridrec.ps.client import PSClient
 from hybridrec.ps.server import launch
@@ -46,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="value codec on the wire (default none)")
     parser.add_argument("--keys-per-request", type=positive_int, default=16_384,
                         help="largest request the client sends to one server (default 16384)")
+    parser.add_argument("--job-key", action="store_true",
+                        help="also time servers that have a job key (CURVE), interleaved with the keyless ones")
     parser.add_argument("--seed", type=int, default=0)
     add_timing_arguments(parser, warmup=3, batches=10, repeats=5)
     return parser
@@ -67,28 +73,43 @@ def check_rows(served: np.ndarray, expected: np.ndarray, codec: str) -> None:
         raise RuntimeError("the PS returned rows that differ from the in-process store's")
 
 
+def _servers(args: argparse.Namespace, capacity: int, key: JobKey | None) -> list:
+    """`--servers` PS processes (process, address), with `key` or none."""
+    env = {name: value for name, value in os.environ.items() if name not in (AUTH_KEY_ENV, AUTH_KEY_FILE_ENV)}
+    env["NUMBA_NUM_THREADS"] = "1"
+    if key is not None:
+        env[AUTH_KEY_ENV] = key.secret
+    return [launch(["--port", "0", "--threads", str(args.server_threads), "--table", f"{TABLE}:{args.dim}:{capacity}"],
+                   env=env) for _ in range(args.servers)]
+
+
 def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
     keys, batches = make_batches(args.rows, args.batch, plan.total_batches, args.seed)
     capacity = -(-2 * args.rows // args.servers)  # room for the route's imbalance
+    keys_of = {"ps": None, **({"keyed": JobKey.new()} if args.job_key else {})}
     processes = []
     try:
-        for _ in range(args.servers):
-            processes.append(launch(["--port", "0", "--threads", str(args.server_threads),
-                                     "--table", f"{TABLE}:{args.dim}:{capacity}"],
-                                    env={**os.environ, "NUMBA_NUM_THREADS": "1"}))
-        with PSClient([address for _, address in processes], timeout=60, value_codec=args.codec,
-                      max_keys_per_request=args.keys_per_request) as client:
-            for start in range(0, args.rows, PRELOAD_CHUNK):
-                client.lookup(TABLE, keys[start:start + PRELOAD_CHUNK])
+        clients = {}
+        with contextlib.ExitStack() as stack:
+            for name, key in keys_of.items():
+                started = _servers(args, capacity, key)
+                processes += started
+                clients[name] = stack.enter_context(PSClient(
+                    [address for _, address in started], timeout=60, value_codec=args.codec,
+                    max_keys_per_request=args.keys_per_request, key=key))
+                for start in range(0, args.rows, PRELOAD_CHUNK):
+                    clients[name].lookup(TABLE, keys[start:start + PRELOAD_CHUNK])
             store = EmbeddingStore(dim=args.dim, capacity=2 * args.rows)
             table = store.pull(keys)  # the same initial rows, as one plain array
             batch_keys = [keys[batch] for batch in batches]
             runners = {
                 "gather": lambda i: table[batches[i]],
                 "store": lambda i: store.pull(batch_keys[i], insert=False),
-                "ps": lambda i: client.lookup(TABLE, batch_keys[i], insert=False),
+                **{name: (lambda i, c=client: c.lookup(TABLE, batch_keys[i], insert=False))
+                   for name, client in clients.items()},
             }
-            check_rows(runners["ps"](0), table[batches[0]], args.codec)
+            for name in clients:
+                check_rows(runners[name](0), table[batches[0]], args.codec)
             for runner in runners.values():
                 warm_up(runner, plan)
             rates = measure_interleaved(runners, plan, items_per_batch=args.batch)
@@ -97,6 +118,8 @@ def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
             process.kill()
             process.wait(10)
     gb = args.dim * 4 / 1e9  # payload GB per key
+    keyed = {"keyed_gb_per_s": rates["keyed"].median * gb,
+             "keyed_over_ps": paired_ratio(rates["keyed"], rates["ps"])} if args.job_key else {}
     return {
         "gather_gb_per_s": rates["gather"].median * gb,
         "store_gb_per_s": rates["store"].median * gb,
@@ -105,9 +128,10 @@ def run(args: argparse.Namespace, plan: TimingPlan) -> dict:
         "ps_over_gather": paired_ratio(rates["ps"], rates["gather"]),
         "ps_over_store": paired_ratio(rates["ps"], rates["store"]),
         "ps_gb_per_s_runs": [rate * gb for rate in rates["ps"].rates],
+        **keyed,
         "settings": {name: getattr(args, name) for name in
                      ("servers", "server_threads", "dim", "rows", "batch", "codec",
-                      "keys_per_request", "seed", "warmup", "batches", "repeats")},
+                      "keys_per_request", "job_key", "seed", "warmup", "batches", "repeats")},
     }
 
 
@@ -130,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  ps per server process   {summary['ps_gb_per_s_per_server']:.3f} GB/s")
         print(f"  ps / gather (ceiling)   {summary['ps_over_gather']:.3f}")
         print(f"  ps / in-process store   {summary['ps_over_store']:.3f}")
+        if args.job_key:
+            print(f"  keyed (CURVE) / ps      {summary['keyed_over_ps']:.3f} ({summary['keyed_gb_per_s']:.3f} GB/s)")
         print(f"  ps runs GB/s: {', '.join(f'{r:.3f}' for r in summary['ps_gb_per_s_runs'])}"
               f" (spread {statistics.pstdev(summary['ps_gb_per_s_runs']):.3f})")
     return summary
