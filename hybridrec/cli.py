@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 BENCHMARKS = {
@@ -32,36 +31,52 @@ BENCHMARKS = {
     "speedups": ("hybridrec.benchmarks.speedups", "each strategy's samples/s against its paper's baseline on loopback and "
                  "on emulated hosts where the baseline is link-bound; the cost model's error (--calibration)"),
 }
+JSON_HELP = ("print the final metrics (final_metrics.json) as one JSON line instead of the summary; the "
+             "other lines go to stderr")
 # `hybridrec bench` commands that measure nothing
 BENCH_TOOLS = {
     "report": ("hybridrec.benchmarks.report", "rewrite docs/benchmarks.md's results table from docs/results/"),
 }
 
 
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.5f}"
-    return str(value)
+def _say(args, text: str) -> None:
+    """A line for the reader: stdout, or stderr when --json keeps stdout for the JSON."""
+    print(text, file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
+
+
+def _finished(args, command: str, result: dict, output_dir: str) -> None:
+    """The end of a training command: the summary (hybridrec.train.summary), or with --json the
+    final metrics as one JSON line."""
+    from hybridrec.train.reporting import json_text
+    from hybridrec.train.summary import summary_lines
+
+    if args.json:
+        print(json_text(result))
+    else:
+        print("\n".join(summary_lines(command, result, output_dir)))
+    if result.get("count") == 0:
+        print(f"hybridrec {command}: warning: the test set is empty, so the metrics are nan; check data.test_path, "
+              "data.train_rows (it may cover every row) or data.test_fraction", file=sys.stderr)
+
+
+def _final_metrics(output_dir) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(output_dir) / "final_metrics.json").read_text())
 
 
 def cmd_train(args) -> int:
     from hybridrec.config import load_config
+    from hybridrec.train.summary import start_line
 
     cfg = load_config(args.config, args.set)
     if cfg.strategy.distributed:
         return _train_distributed(args, cfg)
     from hybridrec.train.trainer import train
 
+    _say(args, start_line("train", cfg.strategy.record(), trainers=1))
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    keys = [k for k in result if k != "best_auc" and k.endswith(("auc", "logloss", "ne"))]
-    print("final test " + ", ".join(f"{k}={_fmt(result[k])}" for k in keys))
-    if result.get("count") == 0:
-        print("hybridrec train: warning: the test set is empty, so the metrics are nan; check data.test_path, "
-              "data.train_rows (it may cover every row) or data.test_fraction", file=sys.stderr)
-    if result.get("best_auc") is not None:
-        print(f"planted model's test AUC (the best achievable): {result['best_auc']:.5f}")
-    print(f"steps={result['step']} samples={result['samples']} "
-          f"train samples/s={_fmt(result['train_samples_per_s'])} output={cfg.train.output_dir}")
+    _finished(args, "train", result, cfg.train.output_dir)
     return 0
 
 
@@ -69,37 +84,52 @@ def _train_distributed(args, cfg) -> int:
     """A distributed strategy's roles started on this machine, as `hybridrec launch` would."""
     from hybridrec.parallel.launch import launch
     from hybridrec.parallel.roles import command_line, role_counts
+    from hybridrec.train.summary import start_line
 
     counts = role_counts(cfg)
-    print(f"hybridrec train: strategy {cfg.strategy.record()} runs as several processes; starting them here: "
-          f"{command_line(args.config, counts, args.set)}{' --no-job-key' if args.no_job_key else ''}", flush=True)
+    _say(args, f"{start_line('train', cfg.strategy.record(), counts['trainers'])}: runs as several processes; "
+               f"starting them here: {command_line(args.config, counts, args.set)}"
+               f"{' --no-job-key' if args.no_job_key else ''}")
     code = launch(args.config, **counts, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
-                  job_key=not args.no_job_key)
+                  job_key=not args.no_job_key, out=sys.stderr if args.json else None)
     if code == 0:
-        print(f"final metrics: {cfg.train.output_dir}/final_metrics.json")
+        _finished(args, "train", _final_metrics(cfg.train.output_dir), cfg.train.output_dir)
     return code
 
 
 def cmd_eval(args) -> int:
     from hybridrec.config import load_config
     from hybridrec.errors import UserError
-    from hybridrec.train.evaluation import evaluate_checkpoint
+    from hybridrec.train.checkpoint import config_for_checkpoint
+    from hybridrec.train.evaluation import checkpoint_directory, evaluate_checkpoint
     from hybridrec.train.reporting import json_text
+    from hybridrec.train.summary import eval_lines, start_line
 
     if args.config is None and args.set:
         raise UserError("--set changes a config file: give the config too, or leave --set out to use "
                         "the config saved with the checkpoint")
     cfg = None if args.config is None else load_config(args.config, args.set)
-    print(json_text(evaluate_checkpoint(cfg, args.checkpoint, config_name=args.config or "the config")))
+    cfg = config_for_checkpoint(checkpoint_directory(args.checkpoint), cfg, args.config or "the config")
+    _say(args, start_line("eval", cfg.strategy.record()) + f" (the checkpoint's), test data {_test_data(cfg)}")
+    result = {**evaluate_checkpoint(cfg, args.checkpoint, config_name=args.config or "the config"),
+              "strategy": cfg.strategy.record()}
+    print(json_text(result) if args.json else "\n".join(eval_lines(result)))
     if args.predictions is not None:
         from hybridrec.serving.predict_file import checkpoint_predictions
-        from hybridrec.train.checkpoint import config_for_checkpoint
-        from hybridrec.train.evaluation import checkpoint_directory
 
-        cfg = config_for_checkpoint(checkpoint_directory(args.checkpoint), cfg, args.config or "the config")
         written = checkpoint_predictions(cfg, args.checkpoint, args.predictions)
         print(f"hybridrec eval: wrote the scores of {written['rows']} test rows to {args.predictions}", file=sys.stderr)
     return 0
+
+
+def _test_data(cfg) -> str:
+    """Where a config's test rows come from, in a few words."""
+    data = cfg.data
+    if data.test_path:
+        return str(data.test_path)
+    if data.format == "synthetic":
+        return "synthetic rows of the planted model"
+    return f"rows held out of {data.path}"
 
 
 def cmd_export(args) -> int:
@@ -113,11 +143,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_predict(args) -> int:
+    from hybridrec.bundle.chain import resolve
+    from hybridrec.bundle.format import read_manifest
     from hybridrec.serving.predict_file import predict_file
+    from hybridrec.train.summary import start_line
 
+    manifest = read_manifest(resolve(args.bundle, args.version))
+    _say(args, start_line("predict", manifest.get("strategy", {})) + f" (the bundle's: {manifest.get('source')})")
     done = predict_file(args.bundle, args.data, args.out, version=args.version, strict=args.strict)
-    print(f"hybridrec predict: {done['rows']} rows ({done['scored']} scored, {done['bad_rows']} bad) with version "
-          f"{done['version']} -> {args.out}")
+    if args.json:
+        print(json.dumps({**done, "out": args.out}))
+    else:
+        print(f"hybridrec predict: {done['rows']} rows ({done['scored']} scored, {done['bad_rows']} bad) with version "
+              f"{done['version']} -> {args.out}")
     return 0
 
 
@@ -187,19 +225,29 @@ def cmd_server_role(args) -> int:
 def cmd_launch(args) -> int:
     from hybridrec.parallel import emulated_hosts
     from hybridrec.parallel.launch import launch
+    from hybridrec.parallel.roles import check_config, role_counts
+    from hybridrec.train.summary import start_line
 
     try:
+        cfg = check_config(args.config, args.set)
+        trainers = role_counts(cfg, args.ps, args.embedding_workers, args.trainers)["trainers"]
+        _say(args, start_line("launch", cfg.strategy.record(), trainers))
         if args.ray is not None:  # the roles on a Ray cluster
             from hybridrec.parallel.ray_launch import launch_from_arguments
 
-            return launch_from_arguments(args)
-        return launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
-                      overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
-                      max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
-                      emulation=emulated_hosts.from_arguments(args), job_key=not args.no_job_key)
+            code = launch_from_arguments(args)
+        else:
+            code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
+                          overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
+                          max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
+                          emulation=emulated_hosts.from_arguments(args), job_key=not args.no_job_key,
+                          out=sys.stderr if args.json else None)
     except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
         print(f"hybridrec launch: error: {exc}", file=sys.stderr)
         return 2
+    if code == 0:
+        _finished(args, "launch", _final_metrics(cfg.train.output_dir), cfg.train.output_dir)
+    return code
 
 
 def cmd_calibrate(args) -> int:
@@ -245,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
     _add_job_key_argument(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the test data",
@@ -256,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", metavar="FILE", help="also write the test rows' scores to this CSV (header "
                    "`score`, or `score_<task>` per task; one line per test row, in order), as `hybridrec predict` "
                    "writes them")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON line instead of the summary")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="write a checkpoint of any strategy as an inference bundle",
@@ -282,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PREDICTIONS.csv")
     p.add_argument("--version", type=int, metavar="V", help="in a directory of versions: this one (default: the newest)")
     p.add_argument("--strict", action="store_true", help="the first row that cannot be parsed is an error")
+    p.add_argument("--json", action="store_true", help="print the counts as one JSON line")
     p.set_defaults(func=cmd_predict)
 
     from hybridrec.serving.options import add_serve_arguments
@@ -403,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="place the roles on the Ray cluster at ADDRESS (HOST:6379 of its head) or `auto` "
                         "(the Ray instance on this machine, started if none runs); needs hybridrec[ray]; each "
                         "role asks Ray for strategy.resources")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     from hybridrec.parallel.emulated_hosts import add_arguments as add_emulation_arguments
 
     add_emulation_arguments(p)
@@ -419,6 +471,10 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from hybridrec.errors import UserError
 
+    if args.command not in ("bench", "data", "models", "plan"):
+        from hybridrec.kernel_cache import announce_compilation
+
+        announce_compilation(f"hybridrec {args.command}")
     try:
         return args.func(args)
     except (UserError, FileNotFoundError, FileExistsError) as exc:

@@ -331,8 +331,11 @@ class TrainConfig(_Section):
                                                "autocast (CPU: bfloat16 matmuls), parameters stay fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="dense part's device; auto = cuda when available")
     deterministic: bool = True
-    progress: bool = True
-    tensorboard: bool = False
+    progress: bool = Field(True, description="show progress: a bar on a terminal, a line every progress_every_s "
+                           "seconds otherwise (a distributed job's leader's, through its launcher)")
+    progress_every_s: float = Field(10.0, gt=0, description="seconds between progress lines when not on a terminal")
+    tensorboard: bool = Field(False, description="TensorBoard scalars in <output_dir>/tensorboard; needs "
+                              "pip install 'hybridrec[tensorboard]'")
 
     @field_validator("publish_every")
     @classmethod

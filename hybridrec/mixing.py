@@ -12,7 +12,7 @@ _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 
 
-@njit(inline="always")
+@njit(inline="always", cache=True)  # cached: Python code calls it too (seeds, salts), not only kernels
 def mix64(x):
     """splitmix64 finaliser of uint64 x (any integer is taken as its uint64 bits)."""
     x = np.uint64(x)

@@ -328,3 +328,12 @@ def publish_forever(root: str) -> None:
     while True:
         job.train()
         job.publish()
+
+
+def summary_of(out: str, title: str = "") -> dict:
+    """The `key: value` lines of a command's summary (hybridrec.train.summary) in its output,
+    after the line holding `title` when given."""
+    if title:
+        out = out.split(title, 1)[1]
+    pairs = (line.split(":", 1) for line in out.splitlines() if line.startswith("  ") and ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs}

@@ -61,7 +61,7 @@ AUC_BUDGET = 0.001  # s = 100 within this of BSP
 METRICS = {"auc": "auc", "logloss": "logloss", "train_samples_per_s": "samples_per_s",
            "bytes_per_sample": "embedding_bytes_per_sample"}
 HET_METRICS = {"cache_hit_rate": "hit_rate", "cache_miss_rate": "miss_rate", "cache_invalidations": "invalidations",
-               "cache_evictions": "evictions", "max_clock_gap": "max_clock_gap",
+               "cache_evictions": "evictions", "max_staleness": "max_staleness",
                "embedding_vector_bytes": "vector_bytes", "embedding_clock_bytes": "clock_bytes",
                "dropped_updates": "dropped_updates"}
 
@@ -276,14 +276,14 @@ def print_report(result: dict) -> None:
     rows += [(f"het {name}", r) for name, r in result.get("het", {}).items()]
     if rows:
         print(f"{'variant':<10} {'auc':>8} {'logloss':>8} {'samples/s':>10} {'bytes/sample':>12} {'hit rate':>8} "
-              f"{'clock B/s':>9} {'max gap':>7}")
+              f"{'clock B/s':>9} {'max stale':>9}")
         samples = lambda r: r["embedding_bytes_per_sample"]  # noqa: E731
         for name, r in rows:
             clock = (r.get("clock_bytes") / (r["vector_bytes"] + r["clock_bytes"]) * samples(r)
                      if r.get("clock_bytes") is not None and samples(r) else None)
             print(f"{name:<10} {_fmt(r['auc']):>8} {_fmt(r['logloss']):>8} {_fmt(r['samples_per_s'], 0):>10} "
                   f"{_fmt(samples(r), 1):>12} {_fmt(r.get('hit_rate'), 3):>8} {_fmt(clock, 1):>9} "
-                  f"{_fmt(r.get('max_clock_gap')):>7}")
+                  f"{_fmt(r.get('max_staleness')):>9}")
     if "miss_rate" in result:
         print(f"miss rate by cache size (fraction of each table's {result['distinct_keys']} distinct keys, "
               f"{result['reads']} reads):")

@@ -16,8 +16,9 @@ checkpoint, which has it all.
 cache figures from every trainer's counts: hit rate (distinct keys read from the cache without a
 fetch, over all reads), misses, invalidations (entries that failed a bound and synchronised),
 evictions, write-backs, payload bytes of vectors and of clocks, embedding bytes per sample, and
-the largest clock gap the servers saw between two trainers' copies, with the histogram of every
-gap (`clock_gaps`).
+the clock gaps the servers saw between two trainers' copies as the job's staleness (the largest,
+`max_staleness`, and the mean, `mean_staleness`, the names every strategy uses), with the histogram
+of every gap (`clock_gaps`).
 """
 from __future__ import annotations
 
@@ -68,8 +69,15 @@ def combine(every: list[dict]) -> dict:
             "embedding_vector_bytes": total["vector_bytes"], "embedding_clock_bytes": total["clock_bytes"],
             "embedding_bytes_per_sample": wire / samples if samples else None,
             "het_requests": total["requests"],
-            "max_clock_gap": max((one.get("max_clock_gap", 0) for one in every), default=0),
-            "clock_gaps": _merged([one["clock_gaps"] for one in every if "clock_gaps" in one])}
+            **_staleness(every)}
+
+
+def _staleness(every: list[dict]) -> dict:
+    """The clock gaps as the job's staleness (the one name every strategy reports it by, see
+    hybridrec.train.summary: the updates a cached read missed), with their histogram."""
+    gaps = _merged([one["clock_gaps"] for one in every if "clock_gaps" in one])
+    return {"max_staleness": max((one.get("max_clock_gap", 0) for one in every), default=0),
+            "mean_staleness": gaps["mean"], "clock_gaps": gaps}
 
 
 def _merged(histograms: list[dict]) -> dict:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 
 from hybridrec.axes import server_roles
 from hybridrec.parallel.host import new_job_id, remove_dead_jobs_shared_memory, remove_shared_memory
+from hybridrec.parallel.progress_relay import ProgressRelay
 from hybridrec.parallel.roles import build_roles, check_arguments, check_config, group_ps_layout, role_counts
 from hybridrec.parallel.supervisor import Supervisor
 
@@ -69,7 +70,9 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
                            group_ps=group_ps, overrides=overrides, host=host, job=job, resume=resume,
                            overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts, job_key=job_key,
                            checkpoint_root=str(Path(cfg.train.output_dir).resolve()), hosts=hosts)
-        supervisor = Supervisor(plan.roles, out=out, grace=grace)
+        relay = ProgressRelay(out if out is not None else sys.stdout)  # the leader's progress: a bar on a terminal
+        supervisor = Supervisor(plan.roles, out=out, grace=grace, writer=relay)
+        supervisor.on_teardown.append(relay.close)
         supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
         servers = "".join(f"{count} {what} ({', '.join(addresses)}), " for count, what, addresses in (
             (ps, "PS", plan.ps_addresses), (embedding_workers, "embedding worker(s)", plan.embedding_worker_addresses),

@@ -7,7 +7,9 @@ torchrun roles; tests use small Python scripts). The contract:
   group), so stopping a role stops its whole tree. The main roles start once every service
   printed its `ready_marker`.
 * Every line a role writes to stdout or stderr is copied to `out` as `[name] line`, by one
-  thread per role; those threads are joined before `run` returns, so no line is lost.
+  thread per role; those threads are joined before `run` returns, so no line is lost. A
+  `writer(name, line)` given instead writes each line itself (one at a time; `hybridrec launch`
+  draws the leader trainer's progress lines as a bar on a terminal with it).
 * A service that exits while the job runs (any exit code, or a signal such as SIGKILL) is
   started again with the same argv, at most `restarts` times; one more exit ends the job.
 * The job succeeds when every main role exits 0. It fails when a main role exits non-zero, a
@@ -96,7 +98,8 @@ class Supervisor:
     """
 
     def __init__(self, roles: Sequence[Role], *, out: TextIO | None = None, grace: float = 10.0,
-                 prefix: str = "launch", poll_interval: float = 0.05):
+                 prefix: str = "launch", poll_interval: float = 0.05,
+                 writer: Callable[[str, str], None] | None = None):
         names = [r.name for r in roles]
         if len(set(names)) != len(names):
             raise ValueError(f"role names must be unique, got {names}")
@@ -104,6 +107,7 @@ class Supervisor:
             raise ValueError("at least one role must be main=True (the job ends when the main roles exit)")
         self.roles = list(roles)
         self.out = out if out is not None else sys.stdout
+        self.writer = writer
         self.grace = grace
         self.prefix = prefix
         self.poll_interval = poll_interval
@@ -120,6 +124,9 @@ class Supervisor:
     def emit(self, name: str, line: str) -> None:
         with self._lock:
             try:
+                if self.writer is not None:
+                    self.writer(name, line)
+                    return
                 self.out.write(f"[{name}] {line}\n")
                 self.out.flush()
             except (ValueError, OSError):  # our own stdout closed: keep supervising

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import faulthandler
 import gc
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from hybridrec.axes import server_roles
 from hybridrec.comm.transport import check_addresses
 from hybridrec.config import load_config
+from hybridrec.kernel_cache import announce_compilation
 from hybridrec.parallel.host import die_with_parent
 from hybridrec.train.checkpoint import latest_checkpoint
 from hybridrec.train.trainer import train
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun's agent: die with it, even when it is killed
         die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    if os.environ.get("RANK", "0") == "0":  # the leader says so for all: they compile alike
+        announce_compilation("trainer")
     try:
         cfg = load_config(args.config, args.set)
         ps_addresses, ew_addresses, group_ps = ([a for a in given.split(",") if a]
@@ -99,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite,
                        endpoints={"ps": ps_addresses, "embedding_workers": ew_addresses, "group_ps": group_ps})
-        if dist.get_rank() == 0:
-            print("final " + json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), flush=True)
+        if dist.get_rank() == 0:  # the whole result is in final_metrics.json; the launcher prints its summary
+            print(f"final: step {result['step']}, test auc {result.get('auc', float('nan')):.5f}, logloss "
+                  f"{result.get('logloss', float('nan')):.5f} ({cfg.train.output_dir}/final_metrics.json)", flush=True)
     finally:
         # DDP's reducer sits in reference cycles: collect it (and the gloo work it holds) while the
         # interpreter is alive; freed during finalisation, its tensors take the GIL and the process

@@ -343,14 +343,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _reporting(self):
-        """The leader's reporter for the run (a launcher prefixes log lines, which a progress bar's
-        carriage returns garble, so a process group has none)."""
+        """The leader's reporter for the run (in a process group its progress goes to stdout, which
+        the launcher reads and shows)."""
         run = self.run
         if not run.world.leader:
             return contextlib.nullcontext()
-        train = run.cfg.train.model_copy(update={"progress": run.cfg.train.progress and not run.world.grouped})
-        run.reporter = Reporter(run.cfg.train.output_dir, train, total_steps=self._total_steps(),
-                                resumed_step=run.progress.step, append=run.progress.step > 0)
+        run.reporter = Reporter(run.cfg.train.output_dir, run.cfg.train, total_steps=self._total_steps(),
+                                resumed_step=run.progress.step, append=run.progress.step > 0,
+                                launched=run.world.grouped)
         return run.reporter
 
     def _open_stream(self, epoch: int) -> EmbeddingStream:
@@ -418,7 +418,7 @@ class Trainer:
         p.samples += batch.batch_size * run.strategy.readers.size
         probs = torch.sigmoid(logits.detach()).cpu().numpy()
         if run.world.leader:
-            run.reporter.train_step(step, loss.item(), probs, batch.labels, batch.batch_size)
+            run.reporter.train_step(step, loss.item(), probs, batch.labels, batch.batch_size, p.samples)
         if run.streaming is not None:
             run.streaming.trained(batch, probs)
             if run.world.leader and step % run.cfg.train.log_every == 0:

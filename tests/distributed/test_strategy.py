@@ -15,6 +15,8 @@ from hybridrec.axes import AXES, PRESETS
 from hybridrec.cli import main
 from hybridrec.config import ConfigError, parse_config
 from hybridrec.parallel.launch import launch
+from hybridrec.train.summary import SUMMARY_KEYS
+from helpers import summary_of
 from hybridrec.train.trainer import train
 
 torch.set_num_threads(1)
@@ -114,9 +116,17 @@ def test_local_and_ps_sync_on_one_trainer_train_the_same_model(tmp_path):
 def test_hybridrec_train_on_a_distributed_config_starts_its_roles_instead_of_training_locally(tmp_path, capsys):
     config = job_file(tmp_path, "persia", {"preset": "persia", "roles": {"ps_servers": 1, "embedding_workers": 1,
                                                                           "trainers": 1}})
-    assert main(["train", str(config), "--set", "train.max_steps=3"]) == 0
+    assert main(["train", str(config), "--set", "train.max_steps=3", "--set", "train.progress=true",
+                 "--set", "train.progress_every_s=0.001"]) == 0
     out = capsys.readouterr().out
     assert "hybridrec launch" in out and "--ps 1 --embedding-workers 1 --trainers 1" in out
+    # the strategy first, the leader's progress through the launcher (lines: not a terminal), the summary last
+    assert out.startswith("hybridrec train: strategy persia (placement ps, consistency bounded tau=")
+    assert re.search(r"^\[nn\] progress: step 1/3 \(33%\), 256 samples", out, re.M), out
+    assert re.search(r"^\[nn\] progress: step 3/3 \(100%\), 768 samples, [\d,]+ samples/s", out, re.M), out
+    said = summary_of(out, "hybridrec train: finished")
+    assert set(SUMMARY_KEYS) <= set(said) and said["steps"] == "3" and said["samples"] == "768"
+    assert said["strategy"].startswith("persia (placement ps") and said["staleness"].startswith("max ")
     result = json.loads((tmp_path / "persia" / "final_metrics.json").read_text())
     assert result["strategy"]["placement"] == "ps" and result["route"] == "embedding_workers"
     assert result["step"] == 3 and result["bytes_per_sample"] > 0  # its rows came over the wire

@@ -12,6 +12,8 @@ import yaml
 
 from hybridrec.cli import main
 from hybridrec.data import Batch, CriteoReader, SyntheticReader, criteo_like
+from hybridrec.train.summary import EVAL_KEYS, SUMMARY_KEYS
+from helpers import summary_of
 
 torch.set_num_threads(1)
 
@@ -72,7 +74,10 @@ def test_train_set_resume_and_eval_end_to_end(tmp_path, capsys):
     job = small_job(tmp_path)
     assert main(["train", job, "--set", "train.max_steps=4"]) == 0
     out = capsys.readouterr().out
-    assert "final test auc=" in out and "planted model's test AUC" in out and "steps=4 " in out
+    assert out.startswith("hybridrec train: strategy local (placement local")  # the strategy first
+    said = summary_of(out)
+    assert set(SUMMARY_KEYS) <= set(said) and said["steps"] == "4" and said["samples"] == "2,048"
+    assert "planted model's" in said["test AUC"] and said["staleness"].startswith("max 0, mean 0.00")
     assert main(["train", job]) == 2  # a fresh run would overwrite the first one's checkpoints
     assert "--resume" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -80,10 +85,15 @@ def test_train_set_resume_and_eval_end_to_end(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", job, "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "steps=10 " in out  # 5,000 rows in batches of 512
+    assert summary_of(out)["steps"] == "10"  # 5,000 rows in batches of 512
     final = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
     assert main(["eval", job, "--checkpoint", str(tmp_path / "run")]) == 0
-    evaluated = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    said = summary_of(out)  # words, not JSON
+    assert out.startswith("hybridrec eval: strategy local") and set(EVAL_KEYS) <= set(said)
+    assert said["test AUC"] == f"{final['auc']:.5f}" and said["test rows"] == "2,000" and "(step 10)" in said["checkpoint"]
+    assert main(["eval", job, "--checkpoint", str(tmp_path / "run"), "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)  # --json: stdout is the JSON alone
     assert evaluated["step"] == 10 and evaluated["auc"] == final["auc"]
 
 
