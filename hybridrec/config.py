@@ -400,8 +400,8 @@ class RoleResources(_Section):
 class ResourcesSection(_Section):
     """Resources per process of each role, keyed as `roles` is: `ps_servers`,
     `embedding_workers`, `trainers`, and `group_ps` (Hierarchical Training's group PSs, each
-    `cpus`, `gpus`, `memory_gb`). PS servers and embedding workers run on CPUs only, so they may
-    not ask for GPUs."""
+    `cpus`, `gpus`, `memory_gb`). The server roles run on CPUs only, so they may not ask for
+    GPUs."""
 
     ps_servers: RoleResources = RoleResources()
     embedding_workers: RoleResources = RoleResources()
@@ -410,7 +410,7 @@ class ResourcesSection(_Section):
 
     @model_validator(mode="after")
     def _gpus_for_trainers_only(self):
-        for role in ("ps_servers", "embedding_workers"):
+        for role in ("ps_servers", "embedding_workers", "group_ps"):
             gpus = getattr(self, role).gpus
             if gpus:
                 raise ValueError(f"{role}.gpus is {gpus:g}, but {role} run on CPUs only: allowed is 0 "
