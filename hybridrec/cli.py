@@ -253,13 +253,20 @@ def cmd_launch(args) -> int:
 def cmd_calibrate(args) -> int:
     from hybridrec.costs.calibrate import calibrate, write
 
-    calibration = calibrate(args.configs, args.repeats, args.set)
+    if args.configs:
+        jobs = [(config, args.set) for config in args.configs]
+    else:
+        from hybridrec.benchmarks.speedups import calibration_jobs
+
+        jobs = calibration_jobs()
+    calibration = calibrate(jobs, args.repeats)
     path = write(calibration, args.out)
     print(json.dumps(calibration) if args.json else
           f"calibration: {path}\n  kernel {calibration['kernel']['s_per_key'] * 1e9:.0f} ns per key; round trip "
           f"{calibration['transport']['round_trip_s'] * 1e6:.0f} us; transport "
           f"{calibration['transport']['bytes_per_s'] / 1e6:.0f} MB/s; {calibration['machine']['cores']} cores\n"
-          + "\n".join(f"  {c}: dense {d['s_per_sample'] * 1e6:.1f} us per sample (batch {d['batch_size']})"
+          + "\n".join(f"  {c}: dense {d['s_per_sample'] * 1e6:.1f} us per sample + {d['s_per_step'] * 1e3:.2f} ms "
+                      f"per step (batch {d['batch_size']}); a local step {d['local_s_per_sample'] * 1e6:.1f} us per sample"
                       for c, d in calibration["dense"].items()))
     return 0
 
@@ -375,14 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "their defaults and what they do.")
     p.set_defaults(func=cmd_models)
 
-    from hybridrec.costs.calibrate import DEFAULT_CONFIGS
-
     p = sub.add_parser("calibrate", help="measure this machine's per-operation costs for the throughput cost model",
                        description="Time the dense models of job configs, the embedding kernels and the PS transport "
                        "on this machine and write them to a calibration file, which `hybridrec bench speedups "
                        "--calibration FILE` predicts every run from (hybridrec.costs).")
-    p.add_argument("configs", nargs="*", default=list(DEFAULT_CONFIGS),
-                   help="job configs whose dense models to time (default: bench speedups' configs)")
+    p.add_argument("configs", nargs="*", help="job configs whose dense models to time (default: those of bench "
+                   "speedups' jobs, with their overrides)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--repeats", type=int, default=5, help="timings per measurement, their median (default 5)")
     p.add_argument("--out", default="calibration.json", help="the calibration file (default calibration.json)")

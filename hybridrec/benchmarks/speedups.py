@@ -54,8 +54,11 @@ STRATEGIES = ("het", "hybrid", "picasso", "des", "ht")
 HET_DIRECT = ["strategy.preset=het", "strategy.dense=allreduce"]
 TARGETS = {"loopback": {name: 0.95 for name in STRATEGIES},
            "link_bound": {"het": 2.0, "hybrid": 1.3, "picasso": 1.3, "des": 2.0, "ht": 1.0}}
-# default data of every job: small enough for 20 jobs in a few minutes on 2 cores
-SIZE = ["data.synthetic.train_rows=40960", "data.synthetic.test_rows=8192"]
+# every job's data and length: 12 steps per trainer (HET, at batch 128: 48), about 12k samples a
+# job, so that the bench's 20 jobs per run end within minutes on 2 shared cores even where a link
+# binds; a first lookup over a slow link on shared cores can take long
+SIZE = ["data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096", "train.max_steps=12",
+        "strategy.request_timeout=300"]
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,20 @@ def pairs() -> dict[str, Pair]:
     easgd, ht = (ht_bench.variants(2, [1])[name] for name in ("easgd_2", "ht_1x2"))
     return {
         "het": Pair("configs/het_synthetic.yaml", Side([*HET_DIRECT, "strategy.consistency=sync"], 2, 0, 2),
-                    Side(het_s100, 2, 0, 2), "HET Fig. 9: the cache cuts communication, up to 6.37x over no cache"),
+                    Side(het_s100, 2, 0, 2), "HET: the cache cuts communication, 1.37-20.68x over the baselines",
+                    extra=["train.max_steps=48"]),
         "hybrid": Pair("configs/persia_synthetic.yaml", Side(DISCIPLINES["sync"], 2, 1, 1),
                        Side(DISCIPLINES["hybrid"], 2, 1, 1), "Persia Fig. 7: hybrid up to 7.12x over sync"),
         "picasso": Pair("configs/picasso_synthetic.yaml", Side(picasso_bench.ABLATION["sharded"], None, None, 2),
                         Side(["strategy.preset=picasso"], None, None, 2),
-                        "PICASSO Fig. 13: packing, interleaving and caching 1.9-10x over plain model parallelism"),
+                        "PICASSO Fig. 13: packing, interleaving and caching 1.9-10x over plain model parallelism",
+                        # the hot rows chosen after the 4th step
+                        extra=["data.batch_size=512", "strategy.picasso.warmup_iters=4",
+                               "strategy.picasso.flush_iters=4"]),
         "des": Pair("configs/des_synthetic.yaml", Side(des_bench.PS_ASYNC, 2, 1, 1),
                     Side(["strategy.preset=des"], None, None, 2),
-                    "DES Table 3: 1.1-2.4x the PS's throughput (68.7% fewer bytes)"),
+                    "DES Table 3: 1.1-2.4x the PS's throughput (68.7% fewer bytes)",
+                    extra=["data.synthetic.n_multi_hot=26"]),  # 52 tables, not 200: a PS lookup of 200 is slow here
         "ht": Pair("configs/persia_synthetic.yaml", Side(easgd, 1, 1, 1), Side(ht, 1, 1, 1),
                    "Hierarchical Training: at least EASGD's throughput at better loss"),
     }
@@ -99,6 +107,14 @@ def pairs() -> dict[str, Pair]:
 DESCRIPTION = ("Each strategy's samples/s against its paper's baseline (HET / no cache, Persia hybrid / sync, "
                "PICASSO / plain sharded, DES / PS, HT / EASGD) on loopback and on emulated hosts at a link rate "
                "where the baseline is link-bound; medians of paired ratios.")
+
+
+def calibration_jobs() -> list[tuple[str, list[str]]]:
+    """(config, overrides) of every pair's dense model: what `hybridrec calibrate` times."""
+    seen = {}
+    for pair in pairs().values():
+        seen.setdefault((pair.config, tuple(pair.extra)), None)
+    return [(config, list(extra)) for config, extra in seen]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +201,7 @@ def run_setting(args, names: list[str], root: Path, emulated: bool) -> dict:
         ratios = [s["samples_per_s"] / b["samples_per_s"] for b, s in zip(runs["baseline"], runs["strategy"])
                   if s["samples_per_s"] and b["samples_per_s"]]
         jobs = {which: asdict(job_of(pair.config, [*SIZE, *pair.extra, *args.set, *getattr(pair, which).overrides],
-                                     name, which, args.trainers,
+                                     pair.extra, name, which, args.trainers,
                                      _median([r["bytes_per_sample"] for r in runs[which]]),
                                      getattr(pair, which).busiest_share))
                 for which in runs}

@@ -2,9 +2,13 @@
 (`hybridrec.costs.model`) predicts from, measured and written to a JSON calibration file.
 
 Measured, each the median of `repeats` timings after a warm-up:
-  dense      per job config: seconds per sample of the dense model's forward, backward and
-             optimizer step at the config's batch size, on one torch thread (a trainer's share of
-             a core), with the inputs `hybridrec plan` traces (random embeddings and features);
+  dense      per job config: the dense model's forward, backward and optimizer step on one torch
+             thread (a trainer's share of a core), with the inputs `hybridrec plan` traces (random
+             embeddings and features), at the config's batch size and a quarter of it: seconds
+             per sample and per step (the fixed dispatch cost), and its parameter count; and a
+             whole training step in one process (30 steps of the local placement: data,
+             embedding lookups and updates, dense step, the loop; the faster of two runs, the
+             first warming up), per sample;
   kernel     seconds per key of the embedding engine's lookup plus its fused update
              (EmbeddingStore.pull then push, Zipf keys, dim 16, one thread);
   transport  a PS server on loopback: the round trip of a one-key lookup (seconds) and the bytes
@@ -22,9 +26,6 @@ from typing import Callable
 
 import numpy as np
 
-# the configs of `hybridrec bench speedups`' pairs: what is timed by default
-DEFAULT_CONFIGS = ("configs/het_synthetic.yaml", "configs/persia_synthetic.yaml", "configs/picasso_synthetic.yaml",
-                   "configs/des_synthetic.yaml")
 TRANSPORT_KEYS = 16_384
 KERNEL_KEYS = 4_096
 
@@ -40,30 +41,68 @@ def _median_seconds(run: Callable[[], None], repeats: int, warmup: int = 2) -> f
     return statistics.median(times)
 
 
-def dense_seconds_per_sample(cfg, repeats: int) -> float:
-    """Forward + backward + the dense optimizer's step of the job's dense model, per sample."""
+def dense_costs(cfg, repeats: int) -> dict:
+    """Forward + backward + the dense optimizer's step of the job's dense model at its batch size
+    and at a quarter of it: the seconds per sample and per step (the fit a + b * batch through
+    both), and the model's parameter count (what an allreduce moves)."""
     import torch
 
     from hybridrec.hierarchical.operator_placement import sample_inputs
     from hybridrec.job.tables import job_dense_model, job_tables
 
     model = job_dense_model(cfg, job_tables(cfg))
-    batch = cfg.data.batch_size
-    inputs, grads = sample_inputs(model, batch)
-    inputs = tuple(t.requires_grad_(g) if t is not None else None for t, g in zip(inputs, grads))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(*inputs).float().sum().backward()
-        optimizer.step()
+    def seconds(batch: int) -> float:
+        inputs, grads = sample_inputs(model, batch)
+        inputs = tuple(t.requires_grad_(g) if t is not None else None for t, g in zip(inputs, grads))
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            model(*inputs).float().sum().backward()
+            optimizer.step()
+
+        return _median_seconds(step, repeats)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _median_seconds(step, repeats) / batch
+        big, small = cfg.data.batch_size, max(1, cfg.data.batch_size // 4)
+        t_big, t_small = seconds(big), seconds(small)
     finally:
         torch.set_num_threads(threads)
+    per_sample = (t_big - t_small) / (big - small) if big > small else 0.0
+    if per_sample <= 0:  # no growth with the batch measured (noise on a loaded machine): all per sample
+        per_sample = t_big / big
+    return {"s_per_sample": per_sample, "s_per_step": max(t_big - per_sample * big, 0.0), "batch_size": big,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 30) -> float:
+    """A whole training step of the job's model in one process (the local placement: its data
+    reading, embedding lookups and updates, dense step and loop), on one torch thread, per
+    sample: `train_samples_per_s` of a `steps`-step run."""
+    import tempfile
+
+    import torch
+
+    from hybridrec.config import load_config
+    from hybridrec.train.trainer import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = []
+    try:
+        for _ in range(2):  # the first run compiles and warms up: the faster one counts
+            with tempfile.TemporaryDirectory(prefix="hybridrec-calibrate-") as out:
+                cfg = load_config(config, [*overrides, "strategy.preset=local", f"train.max_steps={steps}",
+                                           "data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096",
+                                           "train.progress=false",
+                                           f"train.output_dir={out}"])
+                rates.append(train(cfg, overwrite=True)["train_samples_per_s"])
+    finally:
+        torch.set_num_threads(threads)
+    return 1.0 / max(rates)
 
 
 def kernel_seconds_per_key(repeats: int) -> float:
@@ -104,14 +143,19 @@ def machine_cores() -> int:
     return cores()
 
 
-def calibrate(configs: list[str], repeats: int = 5, overrides: list[str] | None = None) -> dict:
-    """The calibration of this machine for `configs` (paths of job configs)."""
+def dense_key(config: str, overrides: list[str]) -> str:
+    """The calibration's name of a config under overrides (what a cost model's job refers to)."""
+    return " ".join([config, *(f"--set {o}" for o in overrides)])
+
+
+def calibrate(jobs: list[tuple[str, list[str]]], repeats: int = 5) -> dict:
+    """The calibration of this machine for `jobs`: (config path, overrides) whose dense models
+    are timed."""
     from hybridrec.config import load_config
 
-    dense = {}
-    for path in configs:
-        cfg = load_config(path, overrides or [])
-        dense[path] = {"s_per_sample": dense_seconds_per_sample(cfg, repeats), "batch_size": cfg.data.batch_size}
+    dense = {dense_key(path, overrides): {**dense_costs(load_config(path, overrides), repeats),
+                                          "local_s_per_sample": local_seconds_per_sample(path, overrides)}
+             for path, overrides in jobs}
     return {"machine": {"cores": machine_cores()}, "kernel": {"s_per_key": kernel_seconds_per_key(repeats)},
             "transport": transport_costs(repeats), "dense": dense, "repeats": repeats,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}

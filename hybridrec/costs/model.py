@@ -9,12 +9,17 @@ cores (emulated hosts on one machine) or each trainer has its own, the one-way l
 much faster than one calibrated core a trainer's dense compute runs (a GPU).
 
 Per sample, three bounds (each a samples/s ceiling of the whole job):
-  cpu      dense forward/backward/step + the embedding engine's lookup and update of the sample's
-           keys + serialising its payload at both ends (the calibrated transport bytes/s), over
-           the cores the job has: all of them when shared, else trainers x cores per trainer;
+  cpu      a whole local training step (calibrated; its dense forward/backward/step, per sample
+           and per-step dispatch, on the cluster's dense hardware) + the embedding engine's
+           lookup and update of the sample's keys on the servers' side + serialising its
+           payload and its share of the dense allreduce at both ends (the calibrated transport
+           bytes/s), over the cores the job's trainers can use: on shared cores one each up to
+           the cores, else trainers x cores per trainer;
   latency  ROUND_TRIPS request round trips per step per trainer (a lookup and a push, a read and
            an allreduce), each the calibrated loopback round trip plus twice the one-way latency;
-  link     the payload on the busiest hop at the link rate (none on loopback).
+  link     the payload on the busiest hop at the link rate (none on loopback): the embedding
+           payload over the hosts sharing that hop, plus a trainer's share of a ring allreduce
+           of the fp32 dense gradients.
 A job that overlaps communication with compute (HET's read-ahead, Persia's bounded pipeline, the
 asynchronous baselines) runs at the slower of cpu and communication (latency + link); one that
 does not (sync) pays their sum.
@@ -37,7 +42,7 @@ OVERLAPS = {("het", "baseline"): False, ("het", "strategy"): True,
 
 @dataclass(frozen=True)
 class Job:
-    config: str  # its dense model's entry in the calibration
+    config: str  # its dense model's entry in the calibration (`calibrate.dense_key`)
     trainers: int
     batch_size: int
     keys_per_sample: float  # embedding IDs a sample looks up, every table together
@@ -70,25 +75,40 @@ def keys_per_sample(cfg) -> float:
     return float(sum(per_feature[f] for f in tables.deep_map) + sum(per_feature[f] for f in tables.wide_map))
 
 
-def job_of(config: str, overrides: list[str], strategy: str, side: str, trainers: int, bytes_per_sample: float,
-           busiest_share: int) -> Job:
+def job_of(config: str, overrides: list[str], dense_overrides: list[str], strategy: str, side: str, trainers: int,
+           bytes_per_sample: float, busiest_share: int) -> Job:
+    """One side of a pair as the model sees it: `overrides` make the job's config, `dense_overrides`
+    (a part of them) name its dense model's calibration."""
     from hybridrec.config import load_config
+    from hybridrec.costs.calibrate import dense_key
 
     cfg = load_config(config, overrides)
-    return Job(config, trainers, cfg.data.batch_size, keys_per_sample(cfg), float(bytes_per_sample or 0.0),
+    return Job(dense_key(config, dense_overrides), trainers, cfg.data.batch_size, keys_per_sample(cfg), float(bytes_per_sample or 0.0),
                busiest_share, OVERLAPS[(strategy, side)])
+
+
+def dense_bytes_per_sample(calibration: dict, job: Job) -> float:
+    """A ring allreduce of the dense gradients (fp32), per sample, on each trainer's link."""
+    parameters = calibration["dense"][job.config]["parameters"]
+    return 2 * (job.trainers - 1) / job.trainers * 4 * parameters / job.batch_size if job.trainers > 1 else 0.0
 
 
 def bounds(calibration: dict, job: Job, cluster: Cluster) -> dict:
     """Each bound in samples/s (see the module doc)."""
-    dense = calibration["dense"][job.config]["s_per_sample"] / cluster.dense_speedup
+    dense = calibration["dense"][job.config]
     transport = calibration["transport"]
-    cpu_per_sample = (dense + 2 * job.keys_per_sample * calibration["kernel"]["s_per_key"]
-                      + 2 * job.bytes_per_sample / transport["bytes_per_s"])
-    cores = cluster.cores if cluster.shared else cluster.cores * job.trainers
+    dense_part = dense["s_per_sample"] + dense["s_per_step"] / job.batch_size
+    # one process's whole step, with its dense part on the cluster's dense hardware
+    compute = max(dense["local_s_per_sample"] - dense_part, 0.0) + dense_part / cluster.dense_speedup
+    allreduce = dense_bytes_per_sample(calibration, job)
+    cpu_per_sample = (compute + 2 * job.keys_per_sample * calibration["kernel"]["s_per_key"]
+                      + 2 * (job.bytes_per_sample + allreduce) / transport["bytes_per_s"])
+    cores = min(cluster.cores, job.trainers) if cluster.shared else cluster.cores * job.trainers
     round_trip = transport["round_trip_s"] + 2 * cluster.latency_s
-    link = (cluster.rate_bits / 8 * job.busiest_share / job.bytes_per_sample
-            if cluster.rate_bits and job.bytes_per_sample else float("inf"))
+    # the busiest hop carries the embedding payload shared by busiest_share hosts and, on a
+    # trainer's link, its allreduce
+    on_link = job.bytes_per_sample / job.busiest_share + allreduce / job.trainers
+    link = cluster.rate_bits / 8 / on_link if cluster.rate_bits and on_link else float("inf")
     return {"cpu": cores / cpu_per_sample, "latency": job.trainers * job.batch_size / (ROUND_TRIPS * round_trip),
             "link": link}
 

@@ -10,7 +10,8 @@ from hybridrec.costs.model import Cluster, Job, predict
 
 CALIBRATION = {"machine": {"cores": 2}, "kernel": {"s_per_key": 40e-9},
                "transport": {"round_trip_s": 250e-6, "bytes_per_s": 800e6},
-               "dense": {"job.yaml": {"s_per_sample": 50e-6, "batch_size": 512}}}
+               "dense": {"job.yaml": {"s_per_sample": 50e-6, "s_per_step": 2e-3, "batch_size": 512, "parameters": 20_000,
+                                      "local_s_per_sample": 120e-6}}}
 JOB = Job("job.yaml", trainers=2, batch_size=512, keys_per_sample=26, bytes_per_sample=1500, busiest_share=1,
           overlaps=False)
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "results" / "speedups.json"
