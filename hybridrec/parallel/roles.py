@@ -106,10 +106,15 @@ def role_counts(cfg: JobConfig, ps: int | None = None, embedding_workers: int | 
 def group_ps_layout(cfg: JobConfig, trainers: int) -> tuple[int, int]:
     """(groups, group PSs per group) of Hierarchical Training's group PS processes: strategy.ht.
     group_ps per group (dense `groups`: strategy.ht.groups groups; `easgd`: a group per trainer);
-    (0, 0) for a job without them."""
+    (0, 0) for a job without them. ValueError when the trainers do not divide into the groups."""
     dense, per_group = cfg.strategy.resolved["dense"], cfg.strategy.ht.group_ps
     groups = {"groups": cfg.strategy.ht.groups, "easgd": trainers}.get(dense, 0)
-    return (groups, per_group) if groups and per_group else (0, 0)
+    if not groups or not per_group:
+        return 0, 0
+    if trainers % groups:
+        raise ValueError(f"--trainers {trainers}: strategy.ht.groups {groups} groups of equal size cannot be made of "
+                         f"{trainers} trainers; allowed: a multiple of {groups}")
+    return groups, per_group
 
 
 def check_arguments(*, ps: int, embedding_workers: int, trainers: int, max_restarts: int = 0,

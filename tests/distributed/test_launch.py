@@ -415,3 +415,17 @@ def test_a_launch_default_ps_refuses_a_client_without_the_job_key(tmp_path, monk
         process.terminate()
         process.wait(30)
         process.stdout.close()
+
+
+def test_group_ps_roles_follow_the_groups_and_trainers_that_cannot_form_them_are_refused(tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  preset: ht\n  roles: {trainers: 4}\n  ht: {groups: 2, group_ps: 2}\n")
+    plan = build_roles(str(config), ps=1, embedding_workers=1, trainers=4, group_ps=(2, 2), job="j3")
+    assert [r.name for r in plan.roles] == ["ps0", "ew0", "gp0", "gp1", "gp2", "gp3", "nn"]
+    gp3 = plan.roles[5].argv
+    assert gp3[3:5] == ["group-ps", str(config)] and gp3[gp3.index("--group") + 1] == "1"
+    assert gp3[gp3.index("--index") + 1] == "1" and gp3[gp3.index("--trainers-per-group") + 1] == "2"
+    nn = plan.roles[-1].argv
+    assert nn[nn.index("--group-ps") + 1] == ",".join(plan.group_ps_addresses)  # the trainers only connect
+    assert main(["launch", str(config), "--trainers", "3"]) == 2
+    assert "--trainers 3: strategy.ht.groups 2 groups of equal size cannot be made of 3 trainers" in capsys.readouterr().err
