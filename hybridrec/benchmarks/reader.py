@@ -10,7 +10,9 @@ systems take turns (`timing.measure_interleaved`); reported are the median rows/
 and the median of the per-repetition ratios.
 
 `--synthetic ROWS` first writes a synthetic Criteo-style TSV of that many rows (to
-`--synthetic-path`) and adds it to the files. `--json` prints one JSON line:
+`--synthetic-path`) and adds it to the files. `--quoted` also measures a copy of each file with
+every field in double quotes (RFC 4180, as R's write.csv or pandas with QUOTE_ALL write them;
+`<name>.quoted<suffix>` next to `--synthetic-path`), which the reader and pandas both unquote. `--json` prints one JSON line:
 {"benchmark": "reader", "files": [{"path", "rows", "bytes", "hybridrec_rows_per_s",
 "pandas_c_rows_per_s", "pandas_pyarrow_rows_per_s", "hybridrec_over_pandas_c",
 "hybridrec_over_pandas_pyarrow"}, ...]}.
@@ -79,8 +81,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic-path", type=Path,
                         default=Path(tempfile.gettempdir()) / "hybridrec_synthetic_criteo.tsv")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic file")
+    parser.add_argument("--quoted", action="store_true",
+                        help="also measure a copy of each file with every field quoted (RFC 4180)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     return parser
+
+
+def quoted_copy(path: Path, directory: Path) -> Path:
+    """A copy of the TSV `path` with every field in double quotes, in `directory`."""
+    import csv
+
+    out = directory / f"{path.stem}.quoted{path.suffix}"
+    with open(path, newline="") as source, open(out, "w", newline="") as target:
+        writer = csv.writer(target, delimiter="\t", quoting=csv.QUOTE_ALL, lineterminator="\n")
+        writer.writerows(csv.reader(source, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return out
 
 
 def _format_rate(rate: float | None) -> str:
@@ -114,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         write_synthetic(args.synthetic_path, args.synthetic, seed=args.seed)
         paths.append(args.synthetic_path)
+    if args.quoted:
+        paths += [quoted_copy(path, args.synthetic_path.parent) for path in paths]
     results = {"benchmark": "reader", "batch_size": args.batch_size, "repeats": args.repeats,
                "files": [measure_file(path, args.batch_size, args.repeats) for path in paths]}
     if args.json:

@@ -271,18 +271,28 @@ def _quoted_record_end(buf, start, n, delimiter, quote):
 
 
 @njit(cache=True, nogil=True)
-def complete_records(buf, n, delimiter, quote):
-    """Length of the complete records at the start of buf[:n] (each ends in a newline outside
-    quotes), 0 when there is none; without quote bytes, up to the last newline."""
-    if quote < 0 or count_newlines_and_quotes(buf, n, quote)[1] == 0:
-        return last_newline(buf, n) + 1
+def scan_records(buf, n, delimiter, quote):
+    """(length of the complete records at the start of buf[:n] (each ends in a newline outside
+    quotes; 0 when there is none), their newlines, quote bytes in buf[:n]). Without quote bytes
+    the records run up to the last newline and their newlines are every newline of buf[:n],
+    counted in the same pass that looks for quotes, so the parse need not count them again
+    (`parse_delimited_lines`' `newlines`); with quotes the newlines are -1 (not counted)."""
+    lines, quotes = count_newlines_and_quotes(buf, n, quote)
+    if quotes == 0:
+        return last_newline(buf, n) + 1, lines, 0
     done = 0
     while done < n:
         end, _ = _quoted_record_end(buf, done, n, delimiter, quote)
         if end >= n:
             break
         done = end + 1
-    return done
+    return done, -1, quotes
+
+
+@njit(cache=True, nogil=True)
+def complete_records(buf, n, delimiter, quote):
+    """Length of the complete records at the start of buf[:n] (see `scan_records`)."""
+    return scan_records(buf, n, delimiter, quote)[0]
 
 
 @njit(cache=True, nogil=True)
@@ -356,7 +366,7 @@ def _unescape(buf, start, end, quote):
 @njit(cache=True, nogil=True)
 def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_labels, n_dense,
                           n_sparse, binary_labels, first_row, block_rows, rank, world_size,
-                          row_start, row_stop):
+                          row_start, row_stop, newlines):
     """Parses the complete records of buf[:n] (each ending in b'\\n' outside quotes) into
     row-major arrays; `quote` is the quote byte, or `NO_QUOTE` (see the module docstring).
     A quoted value with doubled quotes is rewritten in place (one quote each) where it starts,
@@ -374,10 +384,12 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
     id_counts[r, n_sparse], ids, row_of_line[r], bad[k, 6] = (record index, column, code,
     value start, value end, line index), records, lines) for r kept rows, k bad rows,
     `records` records and `lines` lines read (more lines than records where quoted fields hold
-    newlines).
+    newlines). The caller counts buf[:n]'s `newlines` and passes `quote` None when buf[:n] holds
+    no quote byte (`scan_records` or `count_newlines_and_quotes` count both in one pass): numba
+    then compiles a kernel of its own for None, whose quote branches are pruned before typing, so
+    unquoted data parses as fast as before quoting existed.
     """
-    capacity, quotes = count_newlines_and_quotes(buf, n, quote)
-    quoting = quotes > 0
+    capacity = newlines
     n_columns = kinds.shape[0]
     has_multi = False
     for c in range(n_columns):
@@ -406,7 +418,7 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
             records = record
             break
         inner_newlines = 0
-        if quoting:
+        if quote is not None:
             line_end, inner_newlines = _quoted_record_end(buf, line_start, n, delimiter, quote)
             if line_end >= n:  # the data ends inside a quoted field: its last newline ends it
                 line_end = n - 1
@@ -436,7 +448,7 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
                 error = ERROR_COLUMN_COUNT
                 break
             start = pos
-            if quoting and pos < line_end and buf[pos] == quote:
+            if quote is not None and pos < line_end and buf[pos] == quote:
                 close, doubled = _closing_quote(buf, pos, line_end, quote)
                 start = pos + 1
                 end = line_end if close < 0 else close
@@ -516,7 +528,7 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
             error = ERROR_COLUMN_COUNT
         if error == ERROR_COLUMN_COUNT:
             error_column = _count_fields(buf, line_start, line_end, delimiter,
-                                         quote if quoting else NO_QUOTE)
+                                         NO_QUOTE if quote is None else quote)
             error_start = line_start
             error_end = line_end
         if error == 0:

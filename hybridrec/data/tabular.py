@@ -346,7 +346,7 @@ class DelimitedTextReader(_ShardedReader):
             with open(path, "rb") as handle:
                 if self.schema.header:
                     handle.readline()
-                for buffer, n in self._complete_lines(handle, path):
+                for buffer, n, _ in self._complete_lines(handle, path):
                     total += kernels.count_records(buffer, n, ord(self.schema.delimiter), self.schema.quote_byte)
         return total
 
@@ -362,9 +362,11 @@ class DelimitedTextReader(_ShardedReader):
                             f"file is empty")
         return self.schema.split_header(text), 1
 
-    def _complete_lines(self, handle, path: Path) -> Iterator[tuple[np.ndarray, int]]:
-        """Yields (buffer, n): buffer[:n] is whole records, each ending in a newline (outside
-        quotes). The buffer is reused, so it is only valid until the next step. Memory stays at
+    def _complete_lines(self, handle, path: Path) -> Iterator[tuple[np.ndarray, int, int]]:
+        """Yields (buffer, n, newlines): buffer[:n] is whole records, each ending in a newline
+        (outside quotes); `newlines` counts them when buffer[:n] holds no quote byte, else it is
+        -1 (see `kernels.scan_records`). The buffer is reused, so it is only valid until the next
+        step. Memory stays at
         chunk_bytes unless one record is longer; one longer than MAX_RECORD_BYTES that holds a
         quote is an unclosed quote, an error naming its line."""
         delimiter, quote = ord(self.schema.delimiter), self.schema.quote_byte
@@ -377,9 +379,10 @@ class DelimitedTextReader(_ShardedReader):
             if got == 0:
                 if carry:
                     buffer[carry] = 10  # the last line had no newline
-                    yield buffer, carry + 1
+                    yield buffer, carry + 1, -1
                 return
-            end = kernels.complete_records(buffer, filled, delimiter, quote) - 1
+            end, newlines, _ = kernels.scan_records(buffer, filled, delimiter, quote)
+            end -= 1
             if end < 0:
                 if filled > MAX_RECORD_BYTES and kernels.count_newlines_and_quotes(buffer, filled, quote)[1]:
                     raise UserError(_unclosed_quote(path, handle.tell() - filled, self.schema.quote))
@@ -389,7 +392,7 @@ class DelimitedTextReader(_ShardedReader):
                     buffer = grown
                 carry = filled
                 continue
-            yield buffer, end + 1
+            yield buffer, end + 1, newlines
             carry = filled - end - 1
             buffer[:carry] = buffer[end + 1:filled].copy()
 
@@ -404,12 +407,12 @@ class DelimitedTextReader(_ShardedReader):
                 columns, first_line = self._column_names(handle, path)
                 kinds, slots = schema.column_layout(columns, str(path))
                 first_line += 1
-                for buffer, n in self._complete_lines(handle, path):
+                for buffer, n, newlines in self._complete_lines(handle, path):
                     if first_row >= stop:
                         return
                     batch, bad, records, lines = parse_line_buffer(
                         schema, kinds, slots, buffer, n, first_row, (start, stop), self.block_rows, self.rank,
-                        self.world_size)
+                        self.world_size, newlines)
                     self.rows_read += (0 if batch is None else len(batch)) + len(bad)
                     if len(bad):
                         self._record_bad_rows(path, columns, buffer, bad, first_line)
@@ -425,20 +428,24 @@ class DelimitedTextReader(_ShardedReader):
 
 def parse_line_buffer(schema: TabularSchema, kinds: np.ndarray, slots: np.ndarray, buffer: np.ndarray, n: int,
                       first_row: int, row_range: tuple[int, int], block_rows: int = 1, rank: int = 0,
-                      world_size: int = 1) -> tuple[Batch | None, np.ndarray, int, int]:
+                      world_size: int = 1, newlines: int = -1) -> tuple[Batch | None, np.ndarray, int, int]:
     """(batch or None, bad, records, lines) of the complete records buffer[:n]: record i is data
     row first_row + i (its sample id); rows outside row_range or another rank's blocks are skipped;
     `bad` holds the kernel's (record index, column, code, value start, value end, line index) per
     rejected row (see `describe_bad_line`); `lines` counts the newlines of buffer[:n], more than
-    `records` where quoted fields hold some. `kinds`, `slots` come from `schema.column_layout`."""
+    `records` where quoted fields hold some. `kinds`, `slots` come from `schema.column_layout`.
+    `newlines` >= 0: the caller's count of buffer[:n]'s newlines, which hold no quote byte
+    (`kernels.scan_records`); then nothing is counted or copied again."""
     names = schema.sparse_feature_names
-    if not buffer.flags.writeable or (schema.quote is not None and kernels.count_newlines_and_quotes(
-            buffer, n, schema.quote_byte)[1]):
+    quotes = 0
+    if newlines < 0:
+        newlines, quotes = kernels.count_newlines_and_quotes(buffer, n, schema.quote_byte)
+    if quotes or not buffer.flags.writeable:
         buffer = buffer[:n].copy()  # the kernel unescapes quoted values in place: the caller's text stays
     (labels, dense, id_starts, id_counts, ids, rows, bad, records, lines) = kernels.parse_delimited_lines(
-        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), schema.quote_byte, kinds, slots,
-        len(schema.labels), len(schema.dense), len(names), schema.binary_labels, first_row, block_rows, rank,
-        world_size, row_range[0], row_range[1])
+        buffer, n, ord(schema.delimiter), ord(schema.multi_separator), schema.quote_byte if quotes else None,
+        kinds, slots, len(schema.labels), len(schema.dense), len(names), schema.binary_labels, first_row, block_rows,
+        rank, world_size, row_range[0], row_range[1], newlines)
     if not len(rows):
         return None, bad, records, lines
     values, offsets = kernels.row_major_to_feature_major(id_starts, id_counts, ids)

@@ -10,11 +10,13 @@ from hybridrec.benchmarks.reader import main
 def test_reader_benchmark_reports_rates_and_ratios(tmp_path, capsys):
     pytest.importorskip("pandas")
     result = main(["--repeats", "1", "--synthetic", "300",
-                   "--synthetic-path", str(tmp_path / "s.tsv"), "--json"])
+                   "--synthetic-path", str(tmp_path / "s.tsv"), "--quoted", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(result))
     synthetic = [f for f in result["files"] if f["path"] == str(tmp_path / "s.tsv")]
     assert len(synthetic) == 1 and synthetic[0]["rows"] == 300
+    quoted = [f for f in result["files"] if f["path"] == str(tmp_path / "s.quoted.tsv")]  # every field in quotes
+    assert len(quoted) == 1 and quoted[0]["rows"] == 300 and quoted[0]["bad_rows"] == 0
     assert synthetic[0]["hybridrec_rows_per_s"] > 0 and synthetic[0]["pandas_c_rows_per_s"] > 0
     assert synthetic[0]["hybridrec_over_pandas_c"] > 0
 
