@@ -27,6 +27,42 @@ NEEDS_SERVICE = -1  # lookup_pool_tables: a table's index must grow or its epoch
 SPAN_LO, SPAN_HI, SPAN_BASE = 0, 1, 2  # rows of `spans`: first key, end of keys, first sample offset
 
 
+@njit(cache=True, nogil=True)
+def segments_need_service(tables, mode, rooms, seg_lo, seg_hi):
+    """Whether some table must be serviced before its segment keys[seg_lo[t]:seg_hi[t]] is probed:
+    its epoch count is at its limit, or (in a mode that inserts) the segment could take its index
+    past rooms[t] keys."""
+    for tp in range(seg_lo.shape[0]):
+        t = np.int64(tp)
+        if scalars_of(tables, t)[K.SC_EPOCH] >= K.EPOCH_LIMIT:
+            return True
+        if mode != K.MODE_FIND and parts_of(tables, t)[0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def probe_segment(tables, t, keys, unhashed, order, lo, hi, icfg, fcfg, seeds, mode, out_rows, inverse, uniq_rows,
+                  uniq_keys, nuniq):
+    """Probe table t's store with its segment of keys (positions lo..hi, through `order` when it is
+    not empty) under a new epoch: out_rows, inverse and the segment's unique rows and keys (at
+    uniq_rows[lo:lo + nuniq[t]]) are filled. Returns 0, or the store's error (no evictable row)."""
+    meta64 = meta64_of(tables, t)
+    scalars = scalars_of(tables, t)
+    scalars[K.SC_EPOCH] += 1
+    scalars[K.SC_DIRTY] = 1
+    n, err = K._lookup_partition(0, keys, unhashed, order, lo, hi, rows_of(tables, t), meta_of(tables, t), meta64,
+                                 index_of(tables, t), parts_of(tables, t), sketch_of(tables, t), icfg[t], fcfg[t],
+                                 seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
+    scalars[K.SC_DIRTY] = 0
+    if err != 0:
+        return err
+    nuniq[t] = n
+    for u in range(lo, lo + n):
+        uniq_keys[u] = meta64[uniq_rows[u], 0]
+    return 0
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg, fcfg, seeds, pool_modes, mode,
                        rooms, out_rows, inverse, uniq_rows, uniq_keys, spans, nuniq, out, pool):
@@ -45,37 +81,19 @@ def lookup_pool_tables(keys, sample_offsets, positions, batch_size, tables, icfg
         spans[SPAN_HI, t] = sample_offsets[base + batch_size]
     seg_lo = spans[SPAN_LO]
     seg_hi = spans[SPAN_HI]
-    for tp in range(ntab):
-        t = np.int64(tp)
-        if scalars_of(tables, t)[K.SC_EPOCH] >= K.EPOCH_LIMIT:
-            return NEEDS_SERVICE
-        if mode != K.MODE_FIND and parts_of(tables, t)[0, K.PT_SIZE] + (seg_hi[t] - seg_lo[t]) > rooms[t]:
-            return NEEDS_SERVICE
+    if segments_need_service(tables, mode, rooms, seg_lo, seg_hi):
+        return NEEDS_SERVICE
     empty = np.empty(0, np.int64)
     failed = np.zeros(ntab, np.int64)
     unhashed = np.empty(0, np.uint64)  # dedupe hashes each key as it reads it
     for tp in prange(ntab):
         t = np.int64(tp)
-        lo = seg_lo[t]
-        hi = seg_hi[t]
-        rows = rows_of(tables, t)
-        meta64 = meta64_of(tables, t)
-        scalars = scalars_of(tables, t)
-        scalars[K.SC_EPOCH] += 1
-        scalars[K.SC_DIRTY] = 1
-        n, err = K._lookup_partition(0, keys, unhashed, empty, lo, hi, rows, meta_of(tables, t), meta64,
-                                     index_of(tables, t), parts_of(tables, t), sketch_of(tables, t), icfg[t],
-                                     fcfg[t], seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
-        scalars[K.SC_DIRTY] = 0
-        failed[t] = err
-        if err != 0:
-            continue
-        nuniq[t] = n
-        for u in range(lo, lo + n):
-            uniq_keys[u] = meta64[uniq_rows[u], 0]
-        if pool:
+        failed[t] = probe_segment(tables, t, keys, unhashed, empty, seg_lo[t], seg_hi[t], icfg, fcfg, seeds, mode,
+                                  out_rows, inverse, uniq_rows, uniq_keys, nuniq)
+        if failed[t] == 0 and pool:
             base = spans[SPAN_BASE, t]
-            K.gather_pool(rows, out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t], out, t)
+            K.gather_pool(rows_of(tables, t), out_rows, sample_offsets[base:base + batch_size + 1], pool_modes[t],
+                          out, t)
     for t in range(ntab):
         if failed[t]:
             return t + 1

@@ -36,7 +36,8 @@ from numba import njit, prange
 
 from hybridrec.embedding import kernels as K
 from hybridrec.embedding.hashing import mix64, route_one
-from hybridrec.embedding.table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
+from hybridrec.embedding.group_kernels import probe_segment, segments_need_service
+from hybridrec.embedding.table_arrays import meta64_of, meta_of, rows_of, scalars_of
 
 NEEDS_SERVICE = -1  # owner_probe: a store must grow its index or restart its epoch count first
 _HOT_SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -262,11 +263,8 @@ def owner_probe(keys, perm, tspan, tables, icfg, fcfg, seeds, mode, rooms, out_r
     when table t ran out of evictable rows, or NEEDS_SERVICE (nothing changed) when a store must
     grow its index (rooms[t]) or restart its epoch count first."""
     ntab = tspan.shape[0] - 1
-    for t in range(ntab):
-        if scalars_of(tables, t)[K.SC_EPOCH] >= K.EPOCH_LIMIT:
-            return NEEDS_SERVICE
-        if mode != K.MODE_FIND and parts_of(tables, t)[0, K.PT_SIZE] + (tspan[t + 1] - tspan[t]) > rooms[t]:
-            return NEEDS_SERVICE
+    if segments_need_service(tables, mode, rooms, tspan[:-1], tspan[1:]):
+        return NEEDS_SERVICE
     failed = np.zeros(ntab, np.int64)
     unhashed = np.empty(0, np.uint64)
     dim = send_rows.shape[1]
@@ -274,21 +272,11 @@ def owner_probe(keys, perm, tspan, tables, icfg, fcfg, seeds, mode, rooms, out_r
         t = np.int64(tp)
         lo = tspan[t]
         hi = tspan[t + 1]
-        rows = rows_of(tables, t)
-        meta64 = meta64_of(tables, t)
-        scalars = scalars_of(tables, t)
-        scalars[K.SC_EPOCH] += 1
-        scalars[K.SC_DIRTY] = 1
-        n, err = K._lookup_partition(0, keys, unhashed, perm, lo, hi, rows, meta_of(tables, t), meta64,
-                                     index_of(tables, t), parts_of(tables, t), sketch_of(tables, t), icfg[t],
-                                     fcfg[t], seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo)
-        scalars[K.SC_DIRTY] = 0
-        failed[t] = err
-        if err != 0:
+        failed[t] = probe_segment(tables, t, keys, unhashed, perm, lo, hi, icfg, fcfg, seeds, mode, out_rows, inverse,
+                                  uniq_rows, uniq_keys, nuniq)
+        if failed[t] != 0:
             continue
-        nuniq[t] = n
-        for u in range(lo, lo + n):
-            uniq_keys[u] = meta64[uniq_rows[u], 0]
+        rows = rows_of(tables, t)
         for j in range(lo, hi):
             i = perm[j]
             r = out_rows[i]
