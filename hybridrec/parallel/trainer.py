@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite,
                        endpoints={"ps": ps_addresses, "embedding_workers": ew_addresses, "group_ps": group_ps})
         if dist.get_rank() == 0:  # the whole result is in final_metrics.json; the launcher prints its summary
-            print(f"final: step {result['step']}, test auc {result.get('auc', float('nan')):.5f}, logloss "
+            print(f"final step {result['step']}: test auc {result.get('auc', float('nan')):.5f}, logloss "
                   f"{result.get('logloss', float('nan')):.5f} ({cfg.train.output_dir}/final_metrics.json)", flush=True)
     finally:
         # DDP's reducer sits in reference cycles: collect it (and the gloo work it holds) while the
