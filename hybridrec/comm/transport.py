@@ -245,9 +245,12 @@ class Client:
     def send(self, op: str, arrays: dict[str, np.ndarray] | None = None,
              meta: dict[str, Any] | None = None) -> int:
         """Send one request without waiting; returns its id for `receive`."""
-        if not self._pending:  # what the connection did while nothing was awaited concerns no request
-            while self._monitor.poll(0):
-                recv_monitor_message(self._monitor)
+        if not self._pending:  # what the connection did while nothing was awaited concerns no request,
+            while self._monitor.poll(0):  # unless the server refused this client's key
+                event = recv_monitor_message(self._monitor)
+                if self._refused(event):
+                    self.reconnect()
+                    raise _handshake_error(self.address, self.key, event)
         request_id = next(self._ids)
         frames = encode_frames(Message(op, arrays or {}, meta or {}), request_id)
         if len(frames[0]) > MAX_HEADER_BYTES:
@@ -256,9 +259,23 @@ class Client:
         size = sum(memoryview(frame).nbytes for frame in frames)
         if size > MAX_HEADER_BYTES:
             self._check_size(op, size)
-        self._socket.send_multipart(frames, copy=False)
+        try:
+            self._socket.send_multipart(frames, copy=False)
+        except zmq.Again:  # no connection took it within the timeout (a refused handshake leaves none)
+            error = self._unsendable(op)
+            self.reconnect()
+            raise error from None
         self._pending.add(request_id)
         return request_id
+
+    def _unsendable(self, op: str) -> Exception:
+        """Why a request could not be sent: the server refused this client's key, or no
+        connection came up within the timeout."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if self._refused(event):
+                return _handshake_error(self.address, self.key, event)
+        return TimeoutError(f"{op} to {self.address}: no connection took the request within the timeout")
 
     def _check_size(self, op: str, size: int) -> None:
         """RequestTooLarge when a request of `size` bytes is over the server's limit (asked once,
@@ -368,6 +385,7 @@ class Client:
         that reports failed handshakes."""
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))  # a send never blocks for good
         if self.key is not None:
             self.key.secure_client(self._socket)
         self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)

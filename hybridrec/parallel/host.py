@@ -87,11 +87,13 @@ def dial_host(bind: str) -> str:
 
 # ------------------------------------------------------------------------------ job key
 def role_environment(host: str, job_key: bool = True) -> dict[str, str] | None:
-    """The environment of every role of one job whose servers bind `host`: this process's with a
-    new job key in HYBRIDREC_AUTH_KEY (so each job has its own, as Redis's protected mode keeps
-    a server closed until it is configured), or, with `job_key=False` on loopback, None (the
-    roles inherit ours and serve without a key). Off loopback a key is required: ValueError."""
-    from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, JobKey, is_loopback
+    """The environment of every role of one job whose servers bind `host`: this process's with the
+    job key in HYBRIDREC_AUTH_KEY: the one this environment configures (HYBRIDREC_AUTH_KEY or
+    HYBRIDREC_AUTH_KEY_FILE: so its owner can reach the job's servers too), else a new one, so each
+    job has its own, as Redis's protected mode keeps a server closed until it is configured. With
+    `job_key=False` on loopback, None: the roles inherit ours (and serve without a key unless it
+    configures one). Off loopback a key is required: ValueError."""
+    from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, JobKey, is_loopback, key_from_environment
 
     if not job_key:
         if not is_loopback(host):
@@ -99,7 +101,7 @@ def role_environment(host: str, job_key: bool = True) -> dict[str, str] | None:
                              "job key; leave --no-job-key out")
         return None
     environment = {name: value for name, value in os.environ.items() if name != AUTH_KEY_FILE_ENV}
-    environment[AUTH_KEY_ENV] = JobKey.new().secret
+    environment[AUTH_KEY_ENV] = (key_from_environment() or JobKey.new()).secret
     return environment
 
 

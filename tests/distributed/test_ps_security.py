@@ -79,6 +79,12 @@ def test_with_the_job_key_only_clients_that_hold_it_are_served(no_key_in_environ
             with pytest.raises(AuthError, match="job key"):
                 stranger.request("shutdown")
     assert time.monotonic() - began < 4  # refused at the handshake, not after a timeout
+    for wrong in (None, JobKey.new()):  # a client whose handshake was refused before its first request
+        with Client(server.address, key=wrong, timeout=5, retries=0) as stranger:
+            time.sleep(0.5)  # its refused connection is gone by the time it sends: the send blocked for good
+            for _ in range(2):
+                with pytest.raises(AuthError, match="job key"):
+                    stranger.request("stats", idempotent=True)
     assert not server.wait(0.2)  # still serving
     with PSClient([server.address], key=key) as client:
         assert client.stats()[0]["tables"]["user"]["size"] == 2
@@ -114,7 +120,8 @@ def test_bad_key_settings_are_refused_naming_the_setting_but_never_the_key(no_ke
     assert key.secret not in repr(key)
 
 
-def test_the_launcher_hands_a_new_key_per_job_through_the_environment_on_loopback_too(no_key_in_environment):
+def test_the_launcher_hands_a_new_key_per_job_through_the_environment_on_loopback_too(no_key_in_environment,
+                                                                                         tmp_path):
     first, second = role_environment("127.0.0.1"), role_environment("0.0.0.0")
     assert JobKey.from_text(first[AUTH_KEY_ENV], "test").secret != second[AUTH_KEY_ENV]
     assert first["PATH"] == os.environ["PATH"]
@@ -122,6 +129,13 @@ def test_the_launcher_hands_a_new_key_per_job_through_the_environment_on_loopbac
     assert role_environment("127.0.0.1", job_key=False) is None and role_environment("localhost", job_key=False) is None
     with pytest.raises(ValueError, match="--no-job-key: the servers bind 0.0.0.0, off loopback"):
         role_environment("0.0.0.0", job_key=False)
+    mine = JobKey.new()  # a key the launcher's user configured: every role gets it, so the user reaches them too
+    path = tmp_path / "job.key"
+    write_key_file(path, mine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(AUTH_KEY_FILE_ENV, str(path))
+        given = role_environment("127.0.0.1")
+    assert given[AUTH_KEY_ENV] == mine.secret and AUTH_KEY_FILE_ENV not in given
 
 
 NETNS_SERVER = """

@@ -4,6 +4,7 @@ behind; and a PS actor killed mid-run comes back on its shared memory with every
 applied, and the job still takes every step."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="the Ray tests need hybridrec[ray] (pip install -e '.[ray]')")
 
+from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, JobKey  # noqa: E402
 from hybridrec.parallel.ray_launch import NAMESPACE  # noqa: E402
 from helpers import finish, steps_of_one_epoch, trained_steps, wait_for
 
@@ -54,10 +56,15 @@ def write_config(tmp_path: Path, **train) -> Path:
     return path
 
 
+# the job's key, configured in the launcher's environment so that the test reaches its servers too
+JOB_KEY = JobKey.new()
+
+
 def start_job(config: Path, address: str, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "hybridrec.cli", "launch", str(config), "--ray", address, "--overwrite",
                "--timeout", str(JOB_SECONDS)]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**{k: v for k, v in os.environ.items() if k != AUTH_KEY_FILE_ENV}, AUTH_KEY_ENV: JOB_KEY.secret}
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def job_id(log: Path) -> str | None:
@@ -74,7 +81,7 @@ def applied_updates(address: str) -> int:
     """Pushes the PS server has applied, all its tables together (a counter in its shared memory)."""
     from hybridrec.ps.client import PSClient
 
-    client = PSClient([address], timeout=2.0, retries=0)
+    client = PSClient([address], timeout=2.0, retries=0, key=JOB_KEY)
     try:
         return sum(table["step"] for table in client.stats()[0]["tables"].values())
     finally:
