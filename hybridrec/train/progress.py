@@ -3,7 +3,9 @@ seconds otherwise (a log file, a pipe, a distributed job's leader, whose launche
 as a bar of its own when it writes to a terminal: hybridrec.parallel.progress_relay).
 
 Both start their clock after the first step: the first step of a fresh process compiles the
-numba kernels (seconds), and a rate measured over it would promise an ETA of hours. A progress
+numba kernels (seconds), and a rate measured over it would promise an ETA of hours. The lines'
+rate and ETA are those of the steps since the line before (tqdm's bar smooths likewise), so the
+kernels a later step still compiles weigh in one line only. A progress
 line is `progress: step 120/1000 (12%), 245,760 samples, 8,123 samples/s, eta 1m48s, loss 0.4567,
 auc 0.7123` (`?` for a total the data does not tell; `parse_progress_line` reads one back).
 """
@@ -58,14 +60,14 @@ class ProgressLines:
         self.stream = stream if stream is not None else sys.stderr
         self.samples = 0
         self.figures: dict = {}
-        self._clock: tuple[float, int, int] | None = None  # (time, step, samples) after the first step
+        self._clock: tuple[float, int, int] | None = None  # (time, step, samples) at the line before
         self._printed = 0.0
         self._last_printed_step = initial
 
     def update(self, step: int, samples: int) -> None:
         self.step, self.samples = step, samples
         now = time.perf_counter()
-        if self._clock is None:
+        if self._clock is None:  # the first step: a line without a rate, and the clock starts
             self._clock, self._printed = (now, step, samples), now
             self._print()
         elif now - self._printed >= self.every_s or step == self.total:
@@ -78,16 +80,18 @@ class ProgressLines:
     def write(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def _rate_and_eta(self) -> tuple[float | None, float | None]:
-        started, first_step, first_samples = self._clock
-        elapsed, steps = time.perf_counter() - started, self.step - first_step
+    def _rate_and_eta(self, now: float) -> tuple[float | None, float | None]:
+        then, step, samples = self._clock
+        elapsed, steps = now - then, self.step - step
         if elapsed <= 0 or steps <= 0:
             return None, None
         eta = (self.total - self.step) * elapsed / steps if self.total is not None else None
-        return (self.samples - first_samples) / elapsed, eta
+        return (self.samples - samples) / elapsed, eta
 
     def _print(self) -> None:
-        rate, eta = self._rate_and_eta()
+        now = time.perf_counter()
+        rate, eta = self._rate_and_eta(now)
+        self._clock = (now, self.step, self.samples)
         self._last_printed_step = self.step
         self.write(progress_line(self.step, self.total, self.samples, rate, eta, self.figures))
 
