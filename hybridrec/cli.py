@@ -15,6 +15,8 @@ BENCHMARKS = {
     "embedding": ("hybridrec.benchmarks.embedding", "lookup + pooled forward + backward + fused Adagrad vs torch and TorchRec"),
     "e2e": ("hybridrec.benchmarks.e2e", "DLRM end-to-end training samples/s vs torch and TorchRec"),
     "reader": ("hybridrec.benchmarks.reader", "Criteo TSV reader rows/s vs pandas.read_csv"),
+    "small-data": ("hybridrec.benchmarks.small_data", "the defaults on small generated CSV files: LR and DeepFM test AUC "
+                   "vs scikit-learn's LogisticRegression"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
     "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),
     "picasso": ("hybridrec.benchmarks.picasso", "PICASSO's ablation (sharded, +packing, +interleaving, +hot/cold) vs local "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -296,8 +297,15 @@ class DenseOptimizer(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over the training rows; unset on a file: up to 100, ended by "
+                        "early stopping (docs/own-data.md)")
     max_steps: Optional[int] = Field(None, ge=1)
+    early_stopping: Union[bool, Literal["auto"]] = Field(
+        "auto", description="end training once the validation AUC has not improved for `patience` evaluations, "
+                            "and keep the best step's model; auto: on for a file whose config leaves train.epochs "
+                            "unset (hybridrec.train.data_defaults)")
+    patience: int = Field(3, ge=1, le=10_000, description="early stopping: evaluations without a better "
+                          "validation AUC before training ends")
     dense_optimizer: DenseOptimizer = DenseOptimizer()
     eval_every: int = Field(0, ge=0, description="steps between evaluations; 0 = at the end only")
     log_every: int = Field(50, ge=1)
@@ -818,6 +826,34 @@ def load_config(path, overrides: list[str] | None = None) -> JobConfig:
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
         data, applied = apply_overrides(data, overrides)
+        for note in switch_model_hparams(data, applied):
+            print(f"config: {note}", file=sys.stderr, flush=True)
     else:
         applied = {}
     return parse_config(data, str(path), text, applied)
+
+
+def switch_model_hparams(data: dict, applied: dict[str, str]) -> list[str]:
+    """When `--set model.name=X` switches the model and no --set names a hyper-parameter, drop the
+    file's model.hparams that X does not take (they belong to the model the file names); the
+    notes saying what was dropped. Hyper-parameters given with --set are checked as ever."""
+    model = data.get("model")
+    if "model.name" not in applied or any(key.startswith("model.hparams") for key in applied) \
+            or not isinstance(model, dict) or not isinstance(model.get("hparams"), dict):
+        return []
+    from hybridrec.models import MODELS, model_hparams
+
+    name = model.get("name")
+    try:
+        allowed = model_hparams(name) if isinstance(name, str) and (name in MODELS or ":" in name) else None
+    except Exception:  # a name that does not resolve: its own error is reported by validation
+        allowed = None
+    if allowed is None:
+        return []
+    dropped = [key for key in model["hparams"] if key not in allowed]
+    for key in dropped:
+        del model["hparams"][key]
+    if not dropped:
+        return []
+    return [f"--set {applied['model.name']}: dropped model.hparams {', '.join(dropped)} (the config's, which {name} does "
+            f"not take; {name} takes {', '.join(sorted(allowed)) or 'none'}: --set model.hparams.KEY=VALUE)"]

@@ -243,6 +243,7 @@ class Job:
         """(dense model in eval mode, local placement) of `checkpoint`, loaded once per checkpoint."""
         chosen = self.checkpoint
         if self._loaded is None or self._loaded[0] != chosen:
+            self.cfg = config_for_checkpoint(chosen, self.cfg)  # with what training learnt of the data (scaling)
             model, placement, _ = load_local(self.cfg, chosen, self._module)
             self._loaded = (chosen, model.eval(), placement)
         return self._loaded[1:]

@@ -19,7 +19,7 @@ def avazu_schema(split_hour: bool = True) -> TabularSchema:
     categorical = tuple(c for c in AVAZU_COLUMNS[2:] if not (split_hour and c == "hour"))
     return TabularSchema(labels=("click",), categorical=categorical,
                          hour_columns=("hour",) if split_hour else (), delimiter=",",
-                         header=True, column_names=AVAZU_COLUMNS, binary_labels=True)
+                         header=True, column_names=AVAZU_COLUMNS, binary_labels=True, standardize=False)
 
 
 class AvazuReader(DelimitedTextReader):

@@ -15,7 +15,7 @@ CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 CRITEO_SCHEMA = TabularSchema(
     labels=("label",), dense=CRITEO_DENSE, categorical=CRITEO_CATEGORICAL, delimiter="\t",
     header=False, column_names=("label",) + CRITEO_DENSE + CRITEO_CATEGORICAL,
-    dense_transform="log1p", binary_labels=True)
+    dense_transform="log1p", binary_labels=True, standardize=False)
 
 
 class CriteoReader(DelimitedTextReader):

@@ -366,7 +366,7 @@ def _unescape(buf, start, end, quote):
 @njit(cache=True, nogil=True)
 def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_labels, n_dense,
                           n_sparse, binary_labels, first_row, block_rows, rank, world_size,
-                          row_start, row_stop, newlines):
+                          row_start, row_stop, newlines, dense_fill):
     """Parses the complete records of buf[:n] (each ending in b'\\n' outside quotes) into
     row-major arrays; `quote` is the quote byte, or `NO_QUOTE` (see the module docstring).
     A quoted value with doubled quotes is rewritten in place (one quote each) where it starts,
@@ -375,8 +375,9 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
     Record i is data row `first_row + i`; it is parsed only when it lies in [row_start,
     row_stop) and `((first_row + i) // block_rows) % world_size == rank` (rank sharding by
     row blocks); other records are neither kept nor reported as bad.
-    Column c is handled by kinds[c] and writes output slot slots[c]. Empty dense values are
-    0, empty categoricals are missing IDs, blank lines are skipped. A bad row is not kept;
+    Column c is handled by kinds[c] and writes output slot slots[c]. An empty dense value is
+    dense_fill[slot] (float64[n_dense], taken as it is: no log1p), empty categoricals are
+    missing IDs, blank lines are skipped. A bad row is not kept;
     its record index, column, error code, the byte range of the offending value and the line
     (of buf) it starts on are returned so the caller can report it.
 
@@ -479,15 +480,15 @@ def parse_delimited_lines(buf, n, delimiter, separator, quote, kinds, slots, n_l
                 else:
                     labels[kept, slot] = value
             elif kind == KIND_DENSE or kind == KIND_DENSE_LOG1P:
-                value = 0.0
+                value = dense_fill[slot]
                 if value_end > start:
                     ok, value = parse_number(buf, start, value_end)
                     if not ok:
                         error = ERROR_NOT_A_NUMBER
                     elif not abs(value) <= FLOAT32_MAX and (kind == KIND_DENSE or abs(value) == np.inf):
                         error = ERROR_OUT_OF_RANGE  # infinite, or stored as float32 inf: it would train as inf
-                if error == 0 and kind == KIND_DENSE_LOG1P:
-                    value = _log1p_of_count(value)
+                    if error == 0 and kind == KIND_DENSE_LOG1P:
+                        value = _log1p_of_count(value)
                 dense[kept, slot] = value
             elif kind == KIND_CATEGORICAL:
                 id_starts[kept, slot] = n_ids

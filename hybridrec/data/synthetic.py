@@ -93,7 +93,7 @@ class SyntheticConfig:
             labels=("label",), dense=self.dense_names, categorical=categorical,
             multi_categorical=multi, multi_separator=",", delimiter="\t", header=False,
             column_names=("label",) + self.dense_names + categorical + multi,
-            dense_transform="log1p")
+            dense_transform="log1p", standardize=False)
 
 
 CRITEO_LIKE = SyntheticConfig()

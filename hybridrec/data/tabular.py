@@ -85,6 +85,12 @@ class TabularSchema:
     binary_labels: bool = True
     event_time: str | None = None  # a column of Unix seconds when the record happened (streams' lag)
     quote: str | None = '"'  # RFC 4180 quoting of fields; None: quotes are ordinary bytes
+    # dense columns scaled to mean 0 and standard deviation 1 by the statistics of the training
+    # rows (after dense_transform); training fills in dense_mean and dense_std, the readers
+    # apply them, and an empty dense cell reads as the column's mean (0 once scaled)
+    standardize: bool = True
+    dense_mean: tuple[float, ...] = ()
+    dense_std: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("labels", "dense", "categorical", "multi_categorical", "hour_columns",
@@ -121,11 +127,47 @@ class TabularSchema:
         if self.event_time is not None and self.column_names and self.event_time not in self.column_names:
             raise ValueError(f"event_time column {self.event_time!r} is not in column_names "
                              f"{list(self.column_names)}")
+        self._check_statistics()
         if self.column_names:
             missing = [c for c in used if c not in self.column_names]
             if missing:
                 raise ValueError(f"columns {missing} are not in column_names "
                                  f"{list(self.column_names)}")
+
+    def _check_statistics(self) -> None:
+        if not isinstance(self.standardize, bool):
+            raise TypeError(f"standardize must be a bool, got {self.standardize!r}")
+        for name in ("dense_mean", "dense_std"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list of numbers, got {value!r}")
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) for v in value):
+                raise ValueError(f"{name} must hold finite numbers, got {list(value)!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+            if value and len(value) != len(self.dense):
+                raise ValueError(f"{name} holds {len(value)} numbers for {len(self.dense)} dense columns "
+                                 f"{list(self.dense)}; training fills it in (leave it out)")
+        if bool(self.dense_mean) != bool(self.dense_std):
+            raise ValueError("dense_mean and dense_std go together (training fills both in); give both or neither")
+        if any(v <= 0 for v in self.dense_std):
+            raise ValueError(f"dense_std must hold numbers > 0, got {list(self.dense_std)!r}")
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the readers scale the dense columns (the statistics are known)."""
+        return bool(self.dense_mean)
+
+    def dense_fill(self) -> np.ndarray:
+        """What an empty dense cell reads as, per dense column (float64, after dense_transform):
+        the column's training mean when the columns are scaled, else 0."""
+        return np.array(self.dense_mean if self.scaled else [0.0] * len(self.dense), dtype=np.float64)
+
+    def scale_dense(self, dense: np.ndarray) -> np.ndarray:
+        """`dense` [rows, n_dense] float32 scaled in place by the statistics (unchanged without them)."""
+        if self.scaled and len(dense):
+            dense -= np.asarray(self.dense_mean, dtype=np.float32)
+            dense *= np.float32(1.0) / np.asarray(self.dense_std, dtype=np.float32)
+        return dense
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TabularSchema":
@@ -270,7 +312,8 @@ class _ShardedReader(abc.ABC):
     def __init__(self, paths, schema: TabularSchema, batch_size: int, *, rank: int = 0,
                  world_size: int = 1, block_rows: int | None = None, strict: bool = False,
                  drop_last: bool = False, max_reported_bad_rows: int = 5,
-                 row_range: tuple[int, int | None] = (0, None), on_bad_row=None) -> None:
+                 row_range: tuple[int, int | None] = (0, None), on_bad_row=None,
+                 raw_dense: bool = False) -> None:
         if not isinstance(schema, TabularSchema):
             raise TypeError(f"schema must be a TabularSchema, got {type(schema).__name__}")
         check_sharding(batch_size, rank, world_size)
@@ -288,6 +331,7 @@ class _ShardedReader(abc.ABC):
         self.drop_last = drop_last
         self.max_reported_bad_rows = max_reported_bad_rows
         self.on_bad_row = on_bad_row
+        self.raw_dense = raw_dense  # dense values unscaled and empty cells NaN (what statistics are taken of)
         self.bad_rows = BadRows(max_examples=max_reported_bad_rows)
         self.rows_read = 0  # this rank's rows in row_range seen in the latest pass, good or bad
         self.passes = 0
@@ -412,7 +456,7 @@ class DelimitedTextReader(_ShardedReader):
                         return
                     batch, bad, records, lines = parse_line_buffer(
                         schema, kinds, slots, buffer, n, first_row, (start, stop), self.block_rows, self.rank,
-                        self.world_size, newlines)
+                        self.world_size, newlines, self.raw_dense)
                     self.rows_read += (0 if batch is None else len(batch)) + len(bad)
                     if len(bad):
                         self._record_bad_rows(path, columns, buffer, bad, first_line)
@@ -428,14 +472,17 @@ class DelimitedTextReader(_ShardedReader):
 
 def parse_line_buffer(schema: TabularSchema, kinds: np.ndarray, slots: np.ndarray, buffer: np.ndarray, n: int,
                       first_row: int, row_range: tuple[int, int], block_rows: int = 1, rank: int = 0,
-                      world_size: int = 1, newlines: int = -1) -> tuple[Batch | None, np.ndarray, int, int]:
+                      world_size: int = 1, newlines: int = -1,
+                      raw_dense: bool = False) -> tuple[Batch | None, np.ndarray, int, int]:
     """(batch or None, bad, records, lines) of the complete records buffer[:n]: record i is data
     row first_row + i (its sample id); rows outside row_range or another rank's blocks are skipped;
     `bad` holds the kernel's (record index, column, code, value start, value end, line index) per
     rejected row (see `describe_bad_line`); `lines` counts the newlines of buffer[:n], more than
     `records` where quoted fields hold some. `kinds`, `slots` come from `schema.column_layout`.
     `newlines` >= 0: the caller's count of buffer[:n]'s newlines, which hold no quote byte
-    (`kernels.scan_records`); then nothing is counted or copied again."""
+    (`kernels.scan_records`); then nothing is counted or copied again.
+    Dense values are scaled as the schema says (`TabularSchema.scale_dense`); `raw_dense` leaves
+    them unscaled with empty cells NaN."""
     names = schema.sparse_feature_names
     quotes = 0
     if newlines < 0:
@@ -445,9 +492,12 @@ def parse_line_buffer(schema: TabularSchema, kinds: np.ndarray, slots: np.ndarra
     (labels, dense, id_starts, id_counts, ids, rows, bad, records, lines) = kernels.parse_delimited_lines(
         buffer, n, ord(schema.delimiter), ord(schema.multi_separator), schema.quote_byte if quotes else None,
         kinds, slots, len(schema.labels), len(schema.dense), len(names), schema.binary_labels, first_row, block_rows,
-        rank, world_size, row_range[0], row_range[1], newlines)
+        rank, world_size, row_range[0], row_range[1], newlines,
+        np.full(len(schema.dense), np.nan) if raw_dense else schema.dense_fill())
     if not len(rows):
         return None, bad, records, lines
+    if not raw_dense:
+        schema.scale_dense(dense)
     values, offsets = kernels.row_major_to_feature_major(id_starts, id_counts, ids)
     batch = Batch(JaggedFeatures(list(names), values, offsets), dense, labels, rows.astype(np.uint64))
     return batch, bad, records, lines
@@ -553,14 +603,18 @@ class ParquetReader(_ShardedReader):
                     (~np.isfinite(labels).all(axis=1), label_text, kernels.ERROR_OUT_OF_RANGE)]
         dense = np.zeros((table.num_rows, len(schema.dense)), dtype=np.float32)
         log1p = schema.dense_transform == "log1p"
+        fill = np.full(len(schema.dense), np.nan) if self.raw_dense else schema.dense_fill()
         for j, column in enumerate(schema.dense):
-            values = pc.fill_null(pc.cast(table.column(column), pa.float64()), 0.0)
-            values = values.to_numpy(zero_copy_only=False)
+            cast = pc.cast(table.column(column), pa.float64())
+            empty = cast.is_null().to_numpy(zero_copy_only=False)
+            values = pc.fill_null(cast, 0.0).to_numpy(zero_copy_only=False)
             # NaN, infinite, or (stored as float32) past its range: a bad row, as in the text reader
             wrong = np.isnan(values) | np.isinf(values) if log1p else ~(np.abs(values) <= kernels.FLOAT32_MAX)
             problems.append((wrong, lambda r, v=values, c=column: (c, repr(float(v[r]))), kernels.ERROR_OUT_OF_RANGE))
             with np.errstate(invalid="ignore", over="ignore"):
-                dense[:, j] = np.log1p(np.maximum(values, 0.0)) if log1p else values
+                dense[:, j] = np.where(empty, fill[j], np.log1p(np.maximum(values, 0.0)) if log1p else values)
+        if not self.raw_dense:
+            schema.scale_dense(dense)
         bad = np.logical_or.reduce([mask for mask, _, _ in problems])
         self._record_parquet_bad(bad, problems, rows, path, file_first_row)
         lengths, pieces = [], []

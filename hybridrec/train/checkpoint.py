@@ -187,20 +187,59 @@ def read_config(path) -> dict | None:
         raise CheckpointError(f"checkpoint: {file} is damaged ({exc}); give the run's config file instead") from None
 
 
-def _model_shape(cfg) -> dict:
-    """What decides the model's parameters and tables: the model section, the data's features
-    and labels, and which features share a table."""
+# what a config may not change to evaluate, export or score a checkpoint's model: the model and
+# the inputs it was trained on (which columns feed which feature, how dense values are scaled);
+# the data's files, splits, batch sizes and reading options may differ
+SCHEMA_MODEL_KEYS = ("labels", "dense", "categorical", "multi_categorical", "hour_columns", "dense_transform",
+                     "standardize", "dense_mean", "dense_std")
+
+
+def _flat(prefix: str, value) -> dict:
+    """{dotted key: value} of a nested dict's leaves (lists are leaves)."""
+    if isinstance(value, dict) and value:
+        out = {}
+        for key, inner in value.items():
+            out.update(_flat(f"{prefix}.{key}", inner))
+        return out
+    return {prefix: value}
+
+
+def model_keys(cfg) -> dict:
+    """{dotted config key: value} of everything that shapes the model (SCHEMA_MODEL_KEYS and the
+    model section but its training loss; the features and tables of the data format)."""
     from hybridrec.job.sources import data_layout
 
-    sparse, num_dense, labels = data_layout(cfg.data)
-    return {"model": cfg.model.model_dump(mode="json"), "sparse features": sparse, "dense features": num_dense,
-            "labels": labels, "embedding.shared": {name: list(t.features) for name, t in cfg.embedding.shared.items()}}
+    keys = _flat("model", {k: v for k, v in cfg.model.model_dump(mode="json").items() if k != "loss"})
+    schema = cfg.data.schema
+    if schema is not None:
+        keys.update({f"data.schema.{k}": list(v) if isinstance(v, tuple) else v
+                     for k, v in schema.to_dict().items() if k in SCHEMA_MODEL_KEYS})
+    else:
+        sparse, num_dense, labels = data_layout(cfg.data)
+        keys.update({"data.format": cfg.data.format, "data.format's sparse features": sparse,
+                     "data.format's dense features": num_dense, "data.format's labels": labels})
+        if cfg.data.format == "synthetic":
+            keys.update(_flat("data.synthetic", {k: v for k, v in cfg.data.synthetic.model_dump().items()
+                                                 if k.startswith(("n_", "multi_hot"))}))
+    keys.update({f"embedding.shared.{name}.features": list(t.features) for name, t in cfg.embedding.shared.items()})
+    return keys
+
+
+def _with_trained_scaling(given, trained):
+    """`given` with the dense statistics of the run that wrote the checkpoint, when it has none
+    of its own (a config file as written; training filled them in)."""
+    mine, theirs = given.data.schema, trained.data.schema
+    if mine is None or theirs is None or mine.scaled or not theirs.scaled or mine.standardize != theirs.standardize:
+        return given
+    schema = given.data.schema_.model_copy(update={"dense_mean": theirs.dense_mean, "dense_std": theirs.dense_std})
+    return given.model_copy(update={"data": given.data.model_copy(update={"schema_": schema})})
 
 
 def config_for_checkpoint(path, given=None, given_name: str = "the config"):
     """The config to rebuild checkpoint `path`'s model with: the one saved with it, or `given`
-    when it agrees with the saved one on everything that shapes the model (ConfigError naming
-    the keys otherwise). Checkpoints without a saved config need `given`."""
+    (its data to read: other files and splits are fine) when it agrees with the saved one on
+    everything that shapes the model (`model_keys`; ConfigError naming each key that differs).
+    Checkpoints without a saved config need `given`."""
     from hybridrec.config import parse_config
 
     path = Path(path)
@@ -213,12 +252,14 @@ def config_for_checkpoint(path, given=None, given_name: str = "the config"):
     trained = parse_config(saved, str(path / CONFIG))
     if given is None:
         return trained
-    before, now = _model_shape(trained), _model_shape(given)
-    differences = [f"{key}: checkpoint {before[key]!r}, {given_name} {now[key]!r}" for key in before
-                   if before[key] != now[key]]
+    given = _with_trained_scaling(given, trained)
+    before, now = model_keys(trained), model_keys(given)
+    differences = [f"{key}: checkpoint {before.get(key)!r}, {given_name} {now.get(key)!r}"
+                   for key in dict.fromkeys([*before, *now]) if before.get(key) != now.get(key)]
     if differences:
-        raise ConfigError(f"{given_name} builds another model than checkpoint {path} holds; leave the config out to "
-                          f"use the one saved with it ({path / CONFIG}). Differences: " + "; ".join(differences))
+        raise ConfigError(f"{given_name} changes the model of checkpoint {path}: " + "; ".join(differences)
+                          + f". Only the data's files, splits and reading may differ; leave the config out to use "
+                            f"the one saved with it ({path / CONFIG})")
     return given
 
 

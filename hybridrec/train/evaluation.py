@@ -81,7 +81,7 @@ def load_local(cfg: JobConfig, checkpoint, module: torch.nn.Module | None = None
     tables = job_tables(cfg)
     model = dense_model(cfg, tables, module)
     placement = LocalPlacement(cfg, tables, World())
-    progress = read_progress(path, cfg)
+    progress = read_progress(path)  # any data may be scored: only the model must agree (config_for_checkpoint)
     model.load_state_dict(model_state(path))
     load_embeddings(placement, path)
     return model, placement, {**progress, "checkpoint": str(path)}

@@ -28,7 +28,9 @@ from hybridrec.strategy.dense import model_device
 from hybridrec.strategy.world import World
 from hybridrec.train.best import BestKeeper
 from hybridrec.train.checkpoint import CheckpointTimer
+from hybridrec.train.data_defaults import resolve_defaults
 from hybridrec.train.divergence import checked_loss
+from hybridrec.train.early_stopping import EarlyStopping, restore_best
 from hybridrec.train.evaluation import evaluate
 from hybridrec.train.expiry import ExpirySchedule
 from hybridrec.train.local_pipeline import LocalPipeline
@@ -50,6 +52,8 @@ class Progress:
     epoch: int = 0
     next_batch: int = 0  # this trainer's data position: its next batch of the epoch
     samples: int = 0  # trained by the whole job
+    evaluations_since_best: int = 0  # early stopping: validations in a row without a better AUC
+    stopped_early: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Run:
     figures: Figures = field(default_factory=Figures)
     reporter: Reporter | None = None  # the leader's
     best: BestKeeper | None = None  # with validation rows: the best-by-validation checkpoint
+    stopping: EarlyStopping | None = None  # with train.early_stopping
     streaming: StreamTraining | None = None  # with data.stream: the source's position, progressive validation
     expiry: ExpirySchedule | None = None  # sweeps of tables with expire_after
     checkpoint_timer: CheckpointTimer | None = None  # train.checkpoint_every_s
@@ -143,6 +148,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, resume: bool = False, overwrite: bool = False, endpoints: dict | None = None,
                  on_step: Callable | None = None, model: torch.nn.Module | None = None, loss: Callable | None = None):
         world = World.current()
+        cfg, defaults = resolve_defaults(cfg)
+        if world.leader:
+            for line in defaults:
+                print(f"defaults: {line}", flush=True)
         split = thread_split(cfg.train, cfg.strategy.resolved["placement"])
         seed_everything(cfg.seed, split.dense, cfg.train.deterministic)
         tables = job_tables(cfg)
@@ -154,7 +163,7 @@ class Trainer:
             model = dense_model(cfg, tables, model)
             record, state = restore(cfg, world, run.strategy.placement, resume, overwrite)
             if record is not None:
-                run.progress = Progress(**{key: record[key] for key in asdict(Progress())})
+                run.progress = Progress(**{key: record.get(key, default) for key, default in asdict(Progress()).items()})
             if cfg.data.stream is not None:  # a stream has no epochs: each run reads on from the stream's position
                 run.progress.epoch = run.progress.next_batch = 0
             dense = run.strategy.make_dense(model)
@@ -176,6 +185,8 @@ class Trainer:
                       "not used; evaluation and checkpoint happen at the end", flush=True)
             if run.sources.valid is not None:
                 run.best = BestKeeper(cfg.train.output_dir, world, run.progress.step > 0)
+            if cfg.train.early_stopping is True:
+                run.stopping = EarlyStopping(cfg.train.patience, run.progress)
         except BaseException:
             self.close()
             raise
@@ -198,9 +209,9 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        """Whether the run took `train.max_steps` steps."""
+        """Whether the run took `train.max_steps` steps, or early stopping ended it."""
         max_steps = self.run.cfg.train.max_steps
-        return max_steps is not None and self.run.progress.step >= max_steps
+        return (max_steps is not None and self.run.progress.step >= max_steps) or self.run.progress.stopped_early
 
     def epoch(self, epoch: int) -> None:
         """One epoch of the training data from this trainer's position in it (a resumed epoch
@@ -270,8 +281,11 @@ class Trainer:
             run.reporter.eval_result(run.progress.step, metrics, split="valid")
         in_best = lambda directory: run.cfg.model_copy(update={"train": run.cfg.train.model_copy(
             update={"output_dir": str(directory), "keep_checkpoints": 1})})
-        run.best.consider(run.progress.step, metrics,
-                          lambda directory: self._save(in_best(directory), self.position()))
+        improved = run.best.consider(run.progress.step, metrics,
+                                     lambda directory: self._save(in_best(directory), self.position()))
+        if run.stopping is not None and run.stopping.validated(improved) and run.world.leader:
+            print(f"trainer: early stopping at step {run.progress.step}: no better validation AUC in "
+                  f"{run.stopping.patience} evaluations; the best was step {run.best.record['step']}", flush=True)
 
     def checkpoint(self) -> None:
         """A checkpoint of the run as it is (every trainer calls it, its stream drained); on a
@@ -306,6 +320,10 @@ class Trainer:
         if run.progress.step == 0:
             raise run.sources.no_training_rows(run.world.rank, run.world.size)
         run.strategy.dense.finish_training()
+        if run.stopping is not None:  # the best step's model is the run's model: its checkpoint and test metrics
+            self._validate_last()
+            if run.best.record is not None and run.best.record["step"] != run.progress.step:
+                restore_best(run.best.dir, run.world, run.strategy.placement, run.strategy.dense)
         # checkpoint before the final evaluation: evaluating reads the tables, and a resumed run
         # must start from the state training left, whatever was evaluated in between
         self.checkpoint()
@@ -313,8 +331,7 @@ class Trainer:
             if run.publisher.last_step != run.progress.step:
                 self.publish()
             run.publisher.wait()
-        if run.best is not None and run.best.validated_step != run.progress.step:  # the last step's, unless done
-            self.validate()
+        self._validate_last()
         result = {**self._score(run.sources.test), **self._run_facts(), "best_auc": run.sources.best_auc,
                   "bad_rows": run.sources.bad_rows(),
                   "threads": {"dense": run.split.dense, "embedding": run.split.embedding},
@@ -322,11 +339,20 @@ class Trainer:
                   **run.strategy.facts(),
                   **({} if run.streaming is None else {"stream": run.streaming.facts()}),
                   **({"expired_rows": sum(run.world.gather(run.expiry.expired))} if run.expiry.active else {}),
-                  **({} if run.best is None else {"best_valid": run.best.record})}
+                  **({} if run.best is None else {"best_valid": run.best.record}),
+                  **({} if run.stopping is None else {"early_stopping": {
+                      "stopped": run.progress.stopped_early, "patience": run.stopping.patience,
+                      "model_of_step": (run.best.record or {}).get("step", run.progress.step)}})}
         if run.world.leader:
             run.reporter.final(run.progress.step, result)
             Path(run.cfg.train.output_dir, "final_metrics.json").write_text(json_text(result, indent=1))
         return result
+
+    def _validate_last(self) -> None:
+        """Validate the last step unless it was validated (or the job has no validation rows)."""
+        run = self.run
+        if run.best is not None and run.best.validated_step != run.progress.step:
+            self.validate()
 
     def close(self) -> None:
         try:
