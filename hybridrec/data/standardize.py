@@ -37,7 +37,8 @@ def dense_statistics(paths, schema: TabularSchema, row_range: tuple[int, int | N
     `row_range` in `paths` (the training rows), empty cells left out."""
     n = len(schema.dense)
     total, squares, counts, rows = np.zeros(n), np.zeros(n), np.zeros(n), 0
-    reader = tabular_reader(paths, schema, 8192, row_range=row_range, raw_dense=True)
+    # bad rows are the training reader's to report, once
+    reader = tabular_reader(paths, schema, 8192, row_range=row_range, raw_dense=True, on_bad_row=lambda row: None)
     for batch in reader:
         dense = batch.dense[:max_rows - rows].astype(np.float64)
         present = ~np.isnan(dense)

@@ -284,8 +284,10 @@ class Trainer:
         improved = run.best.consider(run.progress.step, metrics,
                                      lambda directory: self._save(in_best(directory), self.position()))
         if run.stopping is not None and run.stopping.validated(improved) and run.world.leader:
+            best = (f"the best was step {run.best.record['step']}" if run.best.record is not None else
+                    "no validation AUC was a number (do the validation rows hold both labels?)")
             print(f"trainer: early stopping at step {run.progress.step}: no better validation AUC in "
-                  f"{run.stopping.patience} evaluations; the best was step {run.best.record['step']}", flush=True)
+                  f"{run.stopping.patience} evaluations; {best}", flush=True)
 
     def checkpoint(self) -> None:
         """A checkpoint of the run as it is (every trainer calls it, its stream drained); on a
