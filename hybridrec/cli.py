@@ -1,5 +1,5 @@
 """The `hybridrec` command: train, eval, export, predict, serve, data synth, models, plan, bench,
-serve-ps, embedding-worker, group-ps, launch.
+serve-ps, embedding-worker, group-ps, launch, scale.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are
@@ -252,6 +252,17 @@ def cmd_launch(args) -> int:
     return code
 
 
+def cmd_scale(args) -> int:
+    from hybridrec.parallel.scale import scale
+
+    status = scale(args.run, args.ps)
+    print(json.dumps(status) if args.json else
+          f"hybridrec scale: {len(status['servers'])} PS servers ({', '.join(status['servers'])}), routing version "
+          f"{status['version']}; {status['buckets_moved']} buckets and {status['bytes_moved']} bytes moved so far, "
+          f"longest pause {status['longest_pause_s']:.3f}s")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from hybridrec.costs.calibrate import calibrate, write
 
@@ -466,6 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_emulation_arguments(p)
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("scale", help="add or remove PS servers of a job running under hybridrec launch",
+                       description="Ask the launcher of the job running in RUN (its train.output_dir) for N PS "
+                       "servers: new ones start and buckets of embeddings move to them, or off the last ones, "
+                       "which stop, while the job trains (docs/distributed.md, Elastic PS servers).")
+    p.add_argument("run", metavar="RUN", help="the job's train.output_dir (its launcher writes control.json there)")
+    p.add_argument("--ps", type=int, required=True, metavar="N", help="PS servers the job should have")
+    p.add_argument("--json", action="store_true", help="print the launcher's status as one JSON line")
+    p.set_defaults(func=cmd_scale)
     return parser
 
 

@@ -557,6 +557,8 @@ class StrategyConfig(_Section):
     request_timeout: float = Field(30.0, gt=0, description="seconds per request attempt")
     retries: int = Field(3, ge=0, le=100, description="retries of idempotent requests after a timeout")
     max_buffered_batches: int = Field(256, ge=1, description="batches an embedding worker buffers; older ones are dropped and counted")
+    ps_replicas: int = Field(1, ge=1, le=2, description="copies of every embedding bucket on the PS servers: 1, or 2 "
+                             "(a primary and a backup with synchronous forwarding; a lost server fails over)")
     roles: RolesSection = RolesSection()
     resources: ResourcesSection = ResourcesSection()
     ht: HierarchicalSection = HierarchicalSection()

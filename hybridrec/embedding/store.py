@@ -582,6 +582,15 @@ class EmbeddingStore:
             chosen = live[np.asarray(select(self.r64[live, 0].copy()), dtype=bool)]
             return self.rows[chosen].copy(), self.meta[chosen].copy()
 
+    def rows_of(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the rows and metadata records (as `rows_where`) of the distinct `keys` the
+        store holds, without touching them: what a PS forwards to a bucket's backup."""
+        keys = check_keys(keys)
+        with self._lock:
+            found = self._probe(keys, K.MODE_FIND)
+            held = found.uniq_rows[found.uniq_rows >= 0]
+            return self.rows[held].copy(), self.meta[held].copy()
+
     def remove_where(self, select) -> int:
         """Drop the live keys for which `select(keys)` is true (rows, index entries and LRU
         links, as expiry drops them); returns how many. Row numbers change, as with `expire`."""

@@ -13,6 +13,10 @@ each launch first removes the shared memory of launcher jobs whose launcher proc
 Every role gets a new job key for the job (on loopback too; `job_key=False`, the command's
 `--no-job-key`, serves without one on loopback), through its environment.
 
+On this machine the PS tier is elastic: `hybridrec scale RUN --ps N` adds or removes PS servers
+while the job trains, and with strategy.ps_replicas 2 a lost PS fails over to the backups
+(`scale.py`).
+
 With `emulation` the roles run on emulated hosts instead (network namespaces behind shaped
 links, `emulated_hosts.py`), which are deleted with the job.
 
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 from hybridrec.axes import server_roles
 from hybridrec.parallel.host import new_job_id, remove_dead_jobs_shared_memory, remove_shared_memory
 from hybridrec.parallel.progress_relay import ProgressRelay
+from hybridrec.parallel.scale import ScaleControl
 from hybridrec.parallel.roles import build_roles, check_arguments, check_config, group_ps_layout, role_counts
 from hybridrec.parallel.supervisor import Supervisor
 
@@ -70,10 +75,17 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
                            group_ps=group_ps, overrides=overrides, host=host, job=job, resume=resume,
                            overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts, job_key=job_key,
                            checkpoint_root=str(Path(cfg.train.output_dir).resolve()), hosts=hosts)
+        elastic = ps > 0 and hosts is None  # the PS tier scales and fails over (parallel/scale.py)
+        if elastic:
+            ScaleControl.routed_roles(plan, cfg.strategy.ps_replicas)
         relay = ProgressRelay(out if out is not None else sys.stdout)  # the leader's progress: a bar on a terminal
         supervisor = Supervisor(plan.roles, out=out, grace=grace, writer=relay)
         supervisor.on_teardown.append(relay.close)
         supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
+        if elastic:
+            control = ScaleControl(cfg, plan, supervisor, tables, job=plan.job)
+            control.start()
+            supervisor.on_teardown.insert(0, control.stop)
         servers = "".join(f"{count} {what} ({', '.join(addresses)}), " for count, what, addresses in (
             (ps, "PS", plan.ps_addresses), (embedding_workers, "embedding worker(s)", plan.embedding_worker_addresses),
             (len(plan.group_ps_addresses), "group PS(s)", plan.group_ps_addresses)) if count)

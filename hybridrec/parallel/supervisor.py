@@ -164,6 +164,34 @@ class Supervisor:
         self._running[role.name] = running
         return running
 
+    def add_service(self, role: Role) -> threading.Event:
+        """Start one more service role while the job runs (a PS server added by `hybridrec
+        scale`); it is restarted and stopped like the others. Returns the event set once it
+        printed its ready marker."""
+        if role.main or role.name in self._restarts_used:
+            raise ValueError(f"add_service takes a new service role, got {role.name!r}")
+        self._restarts_used[role.name] = 0
+        self.roles.append(role)
+        return self._start(role).ready
+
+    def retire(self, name: str) -> None:
+        """Stop service role `name` for good while the job runs (a PS server that `hybridrec
+        scale` emptied): SIGTERM, then SIGKILL after `grace` seconds; it is not restarted."""
+        running = self._running.pop(name, None)
+        if running is None:
+            return
+        self.roles = [role for role in self.roles if role.name != name]
+        try:
+            os.killpg(running.process.pid, signal.SIGTERM)
+            running.process.wait(self.grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(running.process.pid, signal.SIGKILL)
+            running.process.wait(5)
+        except ProcessLookupError:
+            pass
+        self._retired.append(running)
+        self.log(f"{name} retired")
+
     def _exited(self, running: _Running) -> int | None:
         """The role's return code once its process exited, after killing what is left of its
         group (the leader is reaped only then, so its pid, which names the group, is not reused)."""

@@ -102,6 +102,9 @@ def _check_keys(keys: np.ndarray, what: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(keys)
 
 
+REFRESH_TIMEOUT = 2.0  # seconds a server gets to answer a routing refresh (a lost one must not hold it up)
+
+
 class PSClient:
     """One logical embedding service over `addresses` (shard i = addresses[i]); `key`: the job
     key (`hybridrec.comm.auth`), by default the environment's."""
@@ -163,12 +166,20 @@ class PSClient:
         self.routing = table
         self.routing_changes += 1
 
+    def job_metrics(self) -> dict[str, float]:
+        """The coordinator's figures of the elastic PS tier (routing version, buckets and bytes
+        moved, longest pause, failovers) as the newest server has them, and this client's redirects."""
+        self.refresh_routing()
+        newest = self._client(self.routing.addresses[0]).request("routing", idempotent=True).meta
+        return {**newest.get("job_metrics", {}), "routing_version": self.routing.version, "redirects": self.redirects}
+
     def refresh_routing(self) -> bool:
         """Ask every server this client knows of for its routing table and keep the newest;
         True when it is newer than the one held. A server that does not answer is passed over."""
         known = list(dict.fromkeys([*self.routing.addresses, *self.addresses]))
         newest = self.routing
-        for address, reply in zip(known, self._each([(self._client(a), "routing", {}, {}) for a in known])):
+        replies = self._each([(self._client(a), "routing", {}, {}) for a in known], timeout=REFRESH_TIMEOUT)
+        for address, reply in zip(known, replies):
             if isinstance(reply, Message):
                 table = RoutingTable.from_wire(reply.arrays, reply.meta)
                 if table is not None and table.version > newest.version:
@@ -183,7 +194,7 @@ class PSClient:
             self._connections[address] = Client(address, timeout=self.timeout, retries=self.retries, key=self._key)
         return self._connections[address]
 
-    def _each(self, requests: list) -> list:
+    def _each(self, requests: list, timeout: float | None = None) -> list:
         """Send every (client, op, arrays, meta), then collect each reply or the exception that
         ended its wait (one server failing does not lose the others' replies)."""
         pending = []
@@ -198,7 +209,7 @@ class PSClient:
                 replies.append(request_id)
                 continue
             try:
-                replies.append(client.receive(request_id))
+                replies.append(client.receive(request_id, timeout))
             except (TimeoutError, OSError) as error:
                 replies.append(error)
         return replies
@@ -255,7 +266,9 @@ class PSClient:
         A push carries an id. A push whose server was lost (its connection closed or timed out)
         goes again whole, with the same id, to the one server that now holds all its buckets
         (with replication, their backup, which remembers the ids of the pushes forwarded to
-        it), so it is applied exactly once; without a backup it is not retried."""
+        it), so it is applied exactly once; without a backup it is sent again only when the lost
+        server has left the routing table (it had handed every bucket on, so it applied nothing
+        after that), else the error is raised."""
         pending = [np.arange(len(k), dtype=np.int64) for k in unique_keys]
         resend: list[tuple[list[tuple[int, np.ndarray]], dict, dict]] = []  # lost pushes: parts, arrays, meta
         deadline, delay = time.monotonic() + self.reroute_timeout, 0.005
@@ -305,10 +318,14 @@ class PSClient:
                 if grads is None:
                     for t, picked in parts:
                         again[t].append(picked)
-                elif self.routing.replicated:
-                    resend.append((parts, arrays, part_meta))
                 else:
-                    raise reply  # a push without a backup to fail over to: not retried (it may have applied)
+                    resend.append((parts, arrays, part_meta, self.routing.addresses[s], reply))
+            if resend:  # pushes whose server was lost: sent again only where that cannot apply them twice
+                newer = self.refresh_routing() or newer
+                for parts, arrays, part_meta, address, error in resend:
+                    if not self.routing.replicated and address in self.routing.addresses:
+                        raise error  # no backup to fail over to, and the push may have been applied
+                resend = [(parts, arrays, part_meta) for parts, arrays, part_meta, _, _ in resend]
             pending = [np.concatenate(p) if p else np.empty(0, np.int64) for p in again]
             if not any(len(p) for p in pending) and not resend:
                 break

@@ -103,7 +103,8 @@ class Coordinator:
 
     def _install(self, table: RoutingTable, addresses: Sequence[str], assume: bool) -> None:
         for address in addresses:
-            self._call(address, "routing_set", meta={"slot": table.slot(address), "assume": assume}, table=table)
+            self._call(address, "routing_set", meta={"slot": table.slot(address), "assume": assume,
+                                                     "metrics": self.metrics.as_dict()}, table=table)
         self.table = table
         self.metrics.routing_version = table.version
 
@@ -163,20 +164,58 @@ class Coordinator:
             return final
 
     def _move_all(self, target: RoutingTable) -> None:
-        """Move every bucket whose owner or backup differs in `target`, `batch` at a time."""
+        """Move every bucket whose owner differs in `target`, and give a new backup to every one
+        whose backup alone differs, `batch` at a time, grouped by (from, to)."""
         current = self.table
-        changed = np.flatnonzero((current.owners != target.owners) | (current.backups != target.backups))
-        keys = current.owners[changed].astype(np.int64) * 1_000_003 + target.owners[changed]
-        for pair in np.unique(keys):
-            group = changed[keys == pair]
-            for first in range(0, len(group), self.batch):
-                self._move(group[first:first + self.batch], target)
+        moved = current.owners != target.owners
+        for move, mask, source, destination in ((self._move, moved, current.owners, target.owners),
+                                               (self._rebackup, ~moved & (current.backups != target.backups),
+                                                current.owners, target.backups)):
+            changed = np.flatnonzero(mask)
+            pairs = source[changed].astype(np.int64) * 1_000_003 + destination[changed]
+            for pair in np.unique(pairs):
+                group = changed[pairs == pair]
+                for first in range(0, len(group), self.batch):
+                    move(group[first:first + self.batch], target)
 
-    def _move(self, buckets: np.ndarray, target: RoutingTable) -> None:
+    def _step(self, buckets: np.ndarray, target: RoutingTable) -> RoutingTable:
+        """The current table with `buckets` placed as in `target`, one version on."""
         current = self.table
         owners, backups = current.owners.copy(), current.backups.copy()
         owners[buckets], backups[buckets] = target.owners[buckets], target.backups[buckets]
-        step = current.changed(current.version + 1, owners=owners, backups=backups)
+        return current.changed(current.version + 1, addresses=target.addresses, owners=owners, backups=backups)
+
+    def _rebackup(self, buckets: np.ndarray, target: RoutingTable) -> None:
+        """Give `buckets` (one primary) the backup `target` names: the primary copies their rows
+        to it under its lock and forwards from then on; the old backup drops them."""
+        current, step = self.table, self._step(buckets, target)
+        primary = current.addresses[int(current.owners[buckets[0]])]
+        backup = int(target.backups[buckets[0]])
+        if backup == NO_SERVER:
+            self._call(primary, "routing_set", meta={"slot": step.slot(primary)}, table=step)
+        else:
+            reply = self._call(primary, "replicate", {"buckets": buckets},
+                               {"backup": step.addresses[backup]}, table=step)
+            self.metrics.bytes_moved += int(reply.meta.get("bytes", 0))
+            self.metrics.backups_rebuilt += len(buckets)
+        self._commit(step)
+        for old in {current.addresses[int(s)] for s in np.unique(current.backups[buckets]) if s != NO_SERVER}:
+            if backup == NO_SERVER or old != step.addresses[backup]:
+                self._drop(old, buckets)
+
+    def _commit(self, table: RoutingTable) -> None:
+        self.table = table
+        self.metrics.routing_version = table.version
+
+    def _drop(self, address: str, buckets: np.ndarray) -> None:
+        try:
+            self._call(address, "bucket_drop", {"buckets": buckets})
+        except (TimeoutError, OSError):  # a lost server holds nothing to drop
+            pass
+
+    def _move(self, buckets: np.ndarray, target: RoutingTable) -> None:
+        current, step = self.table, self._step(buckets, target)
+        owners, backups = step.owners, step.backups
         source = current.addresses[int(current.owners[buckets[0]])]
         destination = step.addresses[int(owners[buckets[0]])]
         start = time.monotonic()
@@ -190,12 +229,44 @@ class Coordinator:
         if source != destination:
             self._call(destination, "bucket_import", {"buckets": buckets, **rows}, {"tables": self.tables}, table=step)
         pause = time.monotonic() - start
-        self.table = step
-        self.metrics.routing_version = step.version
+        self._commit(step)
         old_holders = {current.addresses[int(s)] for s in np.unique(current.backups[buckets]) if s != NO_SERVER}
         for address in sorted((old_holders | {source}) - new_backups - {destination}):
-            self._call(address, "bucket_drop", {"buckets": buckets})
+            self._drop(address, buckets)
         self.metrics.buckets_moved += len(buckets)
         self.metrics.bytes_moved += int(exported.meta.get("bytes", 0))
         self.metrics.pauses_s.append(pause)
         self.metrics.longest_pause_s = max(self.metrics.longest_pause_s, pause)
+
+    # ---------------------------------------------------------------- failover
+    def fail_over(self, lost: str) -> RoutingTable:
+        """Server `lost` is gone with its memory: its buckets go to their backups (one new table
+        on every live server), every bucket left without a backup gets one on the live servers,
+        and `lost` leaves the table (a replacement joins with `scale_to`)."""
+        with self._lock:
+            table = self.table
+            slot = table.slot(lost)
+            if slot is None:
+                return table
+            owners, backups = table.owners.copy(), table.backups.copy()
+            orphaned = owners == slot
+            if (backups[orphaned] == NO_SERVER).any():
+                raise RuntimeError(f"PS server {lost} was lost and {int((backups[orphaned] == NO_SERVER).sum())} of its "
+                                   f"buckets have no backup (strategy.ps_replicas is 1, or a backup was still being "
+                                   f"rebuilt); the job must go back to its last checkpoint")
+            start = time.monotonic()
+            owners[orphaned] = backups[orphaned]
+            backups[orphaned | (backups == slot)] = NO_SERVER
+            promoted = table.changed(table.version + 1, owners=owners, backups=backups)
+            live = [a for a in table.addresses if a != lost]
+            self._install(promoted, live, assume=True)
+            self.metrics.failovers += 1
+            self.metrics.longest_pause_s = max(self.metrics.longest_pause_s, time.monotonic() - start)
+            self.log(f"failover: {lost} lost; {int(orphaned.sum())} buckets now served by their backups "
+                     f"(routing version {promoted.version}); rebuilding their backups")
+            staying = [a != lost for a in table.addresses]
+            self._move_all(promoted.changed(promoted.version + 1, backups=backups_for(owners, staying, self.replicas)))
+            final = compact(self.table)
+            self._install(final, final.addresses, assume=False)
+            self.log(f"failover done: every bucket has a backup again (routing version {final.version})")
+            return final

@@ -20,9 +20,10 @@ key until a table is installed, as before elastic routing existed.
 
 Operations (added to the server's):
   routing        -> the server's table (none: meta routing absent), meta {slot, owned, backed}
-  routing_set    a table (arrays routing.*, meta routing), meta {slot, assume}: keeps the table
+  routing_set    a table (arrays routing.*, meta routing), meta {slot, assume, metrics}: keeps the table
                  when it is newer than its own; `assume` also takes the table's ownership of
-                 `slot` as its own (a fresh job, or a backup promoted after a failover)
+                 `slot` as its own (a fresh job, or a backup promoted after a failover); `metrics`,
+                 the coordinator's figures, are answered to `routing` requests (trainers report them)
   bucket_export  arrays buckets int64 + the new table, meta {tables}: stops serving the buckets
                  and answers, per table i, arrays <i>.rows and <i>.meta of their keys
   bucket_import  arrays buckets, <i>.rows, <i>.meta + the new table, meta {tables, backup}: the
@@ -151,6 +152,7 @@ class BucketOwnership:
         self.owned = np.zeros(NUM_BUCKETS, dtype=bool)
         self.backed = np.zeros(NUM_BUCKETS, dtype=bool)
         self.outgoing = np.zeros(NUM_BUCKETS, dtype=bool)
+        self.job_metrics: dict[str, float] = {}  # the coordinator's figures, as it last sent them
         self.frozen_until = 0.0  # buckets are not exported or dropped before (a checkpoint runs)
         self.counts = {"redirects": 0, "buckets_exported": 0, "buckets_imported": 0, "bytes_moved": 0}
         self._route_ids: dict[str, int] = {}
@@ -196,6 +198,11 @@ class BucketOwnership:
     def _adopt(self, table: RoutingTable | None) -> None:
         if table is not None and (self.table is None or table.version > self.table.version):
             self.table = table
+
+    def take(self, table: RoutingTable) -> None:
+        """Keep `table` when it is newer than this server's (call it holding `lock`)."""
+        self._adopt(table)
+        self._persist()
 
     def claims(self, directory: str) -> dict[str, Any]:
         """What a checkpoint of this server into `directory` (.../shard-<i>-of-<n>) records: its
@@ -255,7 +262,8 @@ class BucketOwnership:
     def _routing(self, request: Message) -> Message:
         arrays, meta = self.table.to_wire() if self.table is not None else ({}, {})
         return Message("routing", arrays, {**meta, "slot": self.slot, "owned": int(self.owned.sum()),
-                                           "backed": int(self.backed.sum()), **self.counts})
+                                           "backed": int(self.backed.sum()), **self.counts,
+                                           "job_metrics": self.job_metrics})
 
     def _slot(self, table: RoutingTable, slot: Any) -> int:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(table.addresses):
@@ -267,6 +275,8 @@ class BucketOwnership:
         if table is None:
             raise ValueError("routing_set needs a routing table (arrays routing.*, meta routing)")
         assume = request.meta.get("assume", False)
+        if isinstance(request.meta.get("metrics"), dict):
+            self.job_metrics = {k: v for k, v in request.meta["metrics"].items() if isinstance(v, (int, float))}
         with self.lock.exclusive():
             if request.meta.get("slot") is not None:
                 self.slot = self._slot(table, request.meta["slot"])

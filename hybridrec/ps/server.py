@@ -66,19 +66,20 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from hybridrec.comm.auth import FROM_ENVIRONMENT, AuthError, JobKey, server_key
+from hybridrec.comm.auth import FROM_ENVIRONMENT, AuthError, JobKey, resolve_key, server_key
 from hybridrec.comm.codec import Encoded, make_value_codec
 from hybridrec.comm.transport import MAX_HEADER_BYTES, Message, Operation, Server, Service
 from hybridrec.embedding import EmbeddingStore, TableConfig
 from hybridrec.embedding import checkpoint_format
 from hybridrec.embedding.dir_handle import DirHandle, Entry
-from hybridrec.embedding.memory import unlink_shared
+from hybridrec.embedding.memory import shm_path, unlink_shared
 from hybridrec.embedding.store import check_grad, check_keys
 from hybridrec.ps.client import part_arrays, split_parts
 from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
 from hybridrec.ps.ownership import BucketOwnership, parse_mask
+from hybridrec.ps.replication import Replication, push_id
 from hybridrec.ps.resharding import ROUTING_FILE, load_owned
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
@@ -107,6 +108,12 @@ def table_shm_name(shm_prefix: str, table: str) -> str:
     ':' (in wide tables' names, '<table>:wide') is not allowed in shared-memory names; it
     becomes '..', which no generated table name contains."""
     return f"{shm_prefix}.{table.replace(':', '..')}"
+
+
+def routing_state_name(shm_prefix: str) -> str:
+    """The shared-memory name under which a server started with `shm_prefix` keeps its routing
+    state (beside its tables: deleted with them, so a server that lost its memory lost it too)."""
+    return f"{shm_prefix}..routing-state"
 
 
 def open_stores(tables: Mapping[str, TableSpec], shm_prefix: str | None = None) -> dict[str, EmbeddingStore]:
@@ -178,7 +185,9 @@ class EmbeddingServer(Service):
             "shutdown": Operation(self._shutdown),
         }
         self.ownership = BucketOwnership(self._current_stores, routed=routed, state_dir=state_dir)
+        self.replication = Replication(self.ownership, self._current_stores, key=resolve_key(key))
         operations.update(self.ownership.operations())
+        operations.update(self.replication.operations())
         self.clock_ops = ClockOps(self._stores_of, self._count_keys, max_trainers)
         operations.update(self.clock_ops.operations())
         limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
@@ -314,11 +323,20 @@ class EmbeddingServer(Service):
         # Check every table before applying any, so a bad request changes nothing.
         grads = [self._grads(store, k, codec, part, m, f"table {i} ({t!r})")
                  for i, (store, k, part, m, t) in enumerate(zip(stores, keys, parts, codec_meta, tables))]
+        pushed = push_id(request.meta)
         with self.ownership.lock.shared():
             moved = self.ownership.refusal("push_many", tables, keys)
             if moved is not None:
                 return moved
+            done = self.replication.applied.reply_of(pushed)
+            if done is not None:  # sent again after a failover: applied here (or forwarded here) already
+                return Message("push_many", meta=done)
+            if self.replication.active():  # a key only looked up on a lost primary is made again here
+                for store, k in zip(stores, keys):
+                    store.lookup(k, insert=True)
             dropped = sum(store.push(k, g) for store, k, g in zip(stores, keys, grads))
+            self.replication.forward(tables, keys, pushed)
+            self.replication.applied.remember(pushed, {"dropped": int(dropped)})
         return Message("push_many", meta={"dropped": int(dropped)})
 
     def _dense_init(self, request: Message) -> Message:
@@ -440,13 +458,15 @@ def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec
     `port=0` picks a free port (read it from the returned server's `.address`). With
     `block=True` this returns only after a `shutdown` request, SIGTERM or Ctrl-C, with the
     server stopped; with `block=False` it returns the running server at once. `limits`:
-    `dense_params`, `checkpoint_root`, `max_keys_per_request`, `max_trainers`, `max_connections`
-    of `EmbeddingServer`. The job key
+    `dense_params`, `checkpoint_root`, `max_keys_per_request`, `max_trainers`, `max_connections`,
+    `routed` of `EmbeddingServer`. With `shm_prefix` the server keeps its routing state beside
+    its tables. The job key
     is checked (AuthError off loopback without one) before any table is opened.
     """
     key = server_key(host, key)
+    state_dir = None if shm_prefix is None else shm_path(routing_state_name(shm_prefix))
     server = EmbeddingServer(open_stores(tables or {}, shm_prefix), host=host, port=port,
-                             threads=threads, key=key, **limits)
+                             threads=threads, key=key, state_dir=state_dir, **limits)
     server.start()
     if block:
         run_until_stopped(server)
@@ -567,6 +587,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed of --table tables")
     parser.add_argument("--shm-name", dest="shm_prefix", help="keep tables in named shared memory")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--routed", action="store_true",
+                        help="serve no bucket until a routing table is installed (a launcher's coordinator does; "
+                             "hybridrec.ps.ownership), so a server restarted without its memory serves nothing stale")
     parser.add_argument("--checkpoint-root", metavar="DIR",
                         help="checkpoint and load requests may only name directories inside DIR "
                              "(without it they are refused)")
@@ -606,7 +629,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
         server = serve(args.host, args.port, tables, args.shm_prefix, args.threads, block=False, key=key,
                        dense_params=dense_params, checkpoint_root=args.checkpoint_root,
                        max_keys_per_request=args.max_keys_per_request, max_trainers=args.max_trainers,
-                       max_connections=args.max_connections)
+                       max_connections=args.max_connections, routed=args.routed)
     except (ValueError, TypeError) as error:
         parser.error(" ".join(str(error).split()))
     except MemoryError as error:

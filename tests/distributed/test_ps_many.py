@@ -57,9 +57,9 @@ def count_requests(monkeypatch):
     sizes = []
     original = client_module.PSClient._each
 
-    def counting(self, requests):
+    def counting(self, requests, **kwargs):
         sizes.append([op for _, op, _, _ in requests])
-        return original(self, requests)
+        return original(self, requests, **kwargs)
 
     monkeypatch.setattr(client_module.PSClient, "_each", counting)
     return sizes

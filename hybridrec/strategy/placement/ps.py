@@ -114,7 +114,8 @@ class PSPlacement(PlacementDefaults):
         return self.ps.expire(step, now) if self.world.leader else 0  # the leader sweeps the servers
 
     def facts(self) -> dict:
-        return {"route": self.servers.route}
+        """The route, and the elastic PS tier's figures (`PSClient.job_metrics`) as ps_* numbers."""
+        return {"route": self.servers.route, **{f"ps_{name}": value for name, value in self.ps.job_metrics().items()}}
 
     def close(self) -> None:
         self.ps.close()

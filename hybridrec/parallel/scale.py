@@ -1,0 +1,247 @@
+"""Elastic PS servers under `hybridrec launch`: the launcher's control channel, `hybridrec
+scale RUN --ps N`, and failover to the backups when a PS server is lost.
+
+The launcher of a job whose tables live on PS servers runs a `ScaleControl`: a coordinator
+(`hybridrec.ps.migration`) over the job's servers and a control channel, a transport server on
+loopback only (without a key: whoever may run processes on this machine may scale the job)
+whose address it writes to `<train.output_dir>/control.json`.
+`hybridrec scale RUN --ps N` reads that file and asks for N servers: new ones are started as
+roles of the launcher's supervisor (on the next free index and port) and buckets move to them
+while training runs; for fewer, buckets move off the last servers, which are retired once the
+clients had `DRAIN_SECONDS` to learn the new table (until then they answer with it).
+
+With `strategy.ps_replicas: 2` the PS servers run `--routed`: they serve only once the
+coordinator installed the first table (right after they start; trainers that come first
+wait), and a server restarted without its shared memory serves nothing until the coordinator
+made it a backup again. The control thread watches the servers' processes: when one is
+restarted by the supervisor (it died), the coordinator promotes the backups of its buckets and
+rebuilds the missing backups in the background (`Coordinator.fail_over`).
+
+The coordinator's figures (routing version, buckets and bytes moved, longest pause, failovers)
+travel with every table it installs; the trainers report them (`PSClient.job_metrics`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from hybridrec.comm.auth import key_from_environment
+from hybridrec.comm.transport import Client, Message, Operation, Server
+from hybridrec.errors import UserError
+from hybridrec.parallel.host import dial_host, free_ports, ps_shm_name
+from hybridrec.parallel.supervisor import Role, Supervisor
+
+CONTROL_FILE = "control.json"
+DRAIN_SECONDS = 5.0  # a server scaled away keeps answering with the new table this long
+READY_SECONDS = 180.0
+MAX_PS = 64
+# strategies whose PS servers hold state keyed by server index: their server count is fixed
+FIXED_COUNT = {"consistency": ("het", "ssp"), "dense": ("ps_async", "easgd", "groups")}
+
+
+def fixed_reason(cfg) -> str | None:
+    """Why a job's PS servers cannot be scaled, None when they can."""
+    for axis, values in FIXED_COUNT.items():
+        value = str(getattr(cfg.strategy, axis))
+        if value in values:
+            return (f"strategy.{axis} {value} keeps state by PS server index (clocks or dense parameters), "
+                    f"so its PS count is fixed; scaling takes jobs with consistency sync or bounded and dense "
+                    f"allreduce")
+    return None
+
+
+class ScaleControl:
+    """The elastic PS tier of one launched job (see the module docstring)."""
+
+    def __init__(self, cfg, plan, supervisor: Supervisor, tables: Sequence[str], *, job: str):
+        from hybridrec.ps.migration import Coordinator
+
+        self.cfg, self.plan, self.supervisor, self.job = cfg, plan, supervisor, job
+        self.replicas = cfg.strategy.ps_replicas
+        env = next((role.env for role in plan.roles if role.env is not None), None)
+        self.key = key_from_environment(env) if env is not None else None
+        self.output_dir = Path(cfg.train.output_dir).resolve()
+        self.roles = {f"ps{i}": role for i, role in enumerate(plan.roles[:len(plan.ps_addresses)])}
+        self.addresses = {f"ps{i}": a for i, a in enumerate(plan.ps_addresses)}
+        self.coordinator = Coordinator(plan.ps_addresses, tables, replicas=self.replicas, key=self.key,
+                                       log=supervisor.log)
+        self._started = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.transport = Server({"scale": Operation(self._scale), "status": Operation(self._status)},
+                                host="127.0.0.1", port=0, threads=2, key=None)
+        self._watcher = threading.Thread(target=self._watch, name="ps-control", daemon=True)
+
+    @staticmethod
+    def routed_roles(plan, replicas: int) -> None:
+        """With replication, the PS roles serve only what the coordinator gives them (`--routed`)."""
+        if replicas >= 2:
+            for i in range(len(plan.ps_addresses)):
+                plan.roles[i] = _with_argv(plan.roles[i], [*plan.roles[i].argv, "--routed"])
+
+    def start(self) -> None:
+        self.transport.start()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.output_dir / f".{CONTROL_FILE}.{os.getpid()}"
+        temporary.write_text(json.dumps({"address": self.transport.address, "job": self.job, "pid": os.getpid()}))
+        os.replace(temporary, self.output_dir / CONTROL_FILE)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.transport.stop(5)
+        self._watcher.join(10)
+        self.coordinator.close()
+        (self.output_dir / CONTROL_FILE).unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- watching
+    def _pids(self) -> dict[str, int]:
+        return {name: pid for name, pid in self.supervisor.pids().items() if name in self.addresses}
+
+    def _watch(self) -> None:
+        """Install the first table once every server answers (with replication: at once, the
+        servers wait for it), then fail over when a server's process is replaced."""
+        while not self._stop.is_set():
+            try:
+                if self.replicas >= 2 or self.coordinator.newest() is not None:
+                    self.coordinator.start()
+                break
+            except (TimeoutError, OSError):
+                self._stop.wait(0.5)
+        self._started.set()
+        seen = self._pids()
+        while not self._stop.wait(0.1):
+            now = self._pids()
+            lost = [name for name, pid in seen.items() if now.get(name, pid) != pid]
+            for name in lost:
+                if self.replicas >= 2 and not self._stop.is_set():
+                    try:
+                        with self._lock:
+                            self.coordinator.fail_over(self.addresses[name])
+                        self._rejoin(name)
+                    except Exception as error:  # the job goes on; its log says why the backups were not rebuilt
+                        self.supervisor.log(f"failover of {name} failed: {error!r}")
+            seen = {**seen, **now}
+
+    def _rejoin(self, name: str) -> None:
+        """Once the supervisor's replacement of lost server `name` answers, buckets move back to it."""
+        deadline = time.monotonic() + READY_SECONDS
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if self.coordinator.newest([self.addresses[name]]) is not None or self._answers(name):
+                with self._lock:
+                    self.coordinator.scale_to([*self.coordinator.table.addresses, self.addresses[name]])
+                return
+            self._stop.wait(0.5)
+
+    def _answers(self, name: str) -> bool:
+        try:
+            with Client(self.addresses[name], timeout=2.0, retries=0, key=self.key) as client:
+                client.request("ping")
+            return True
+        except (TimeoutError, OSError):
+            return False
+
+    # ---------------------------------------------------------------- requests
+    def _status(self, request: Message) -> Message:
+        table = self.coordinator.table
+        return Message("status", meta={"servers": list(table.addresses), "version": table.version,
+                                       **self.coordinator.metrics.as_dict()})
+
+    def _scale(self, request: Message) -> Message:
+        count = request.meta.get("ps")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PS:
+            raise ValueError(f"--ps must be a whole number in [1, {MAX_PS}], got {count!r}")
+        reason = fixed_reason(self.cfg)
+        if reason is not None:
+            raise ValueError(reason)
+        if _emulated(self.roles["ps0"]):
+            raise ValueError("jobs on emulated hosts keep their PS count")
+        if count < self.replicas:
+            raise ValueError(f"--ps {count}: strategy.ps_replicas is {self.replicas}, so at least {self.replicas} "
+                             "PS servers are needed")
+        self._started.wait(READY_SECONDS)
+        with self._lock:
+            if self.coordinator.table.version == 0:
+                self.coordinator.start()
+            current = list(self.coordinator.table.addresses)
+            names = {address: name for name, address in self.addresses.items()}
+            wanted = current[:count] + [self._add_server() for _ in range(count - len(current))]
+            final = self.coordinator.scale_to(wanted)
+            leaving = [names[a] for a in current if a not in final.addresses]
+        if leaving:
+            threading.Thread(target=self._retire, args=(leaving,), daemon=True).start()
+        return self._status(request)
+
+    def _add_server(self) -> str:
+        """Start PS server ps<i> on the next free index and a free port; its address once ready."""
+        index = len(self.roles)
+        name, template = f"ps{index}", self.roles["ps0"]
+        host = _flag(template.argv, "--host")
+        port = free_ports(1, host)[0]
+        argv = _set_flag(_set_flag(list(template.argv), "--port", str(port)), "--shm-name", ps_shm_name(self.job, index))
+        role = _with_argv(template, argv)
+        self.plan.shm_names.append(ps_shm_name(self.job, index))  # deleted with the job's
+        ready = self.supervisor.add_service(role)
+        if not ready.wait(READY_SECONDS):
+            raise RuntimeError(f"{name} did not report ready within {READY_SECONDS:g}s")
+        self.roles[name] = role
+        self.addresses[name] = f"tcp://{dial_host(host)}:{port}"
+        return self.addresses[name]
+
+    def _retire(self, names: list[str]) -> None:
+        time.sleep(DRAIN_SECONDS)
+        for name in names:
+            self.supervisor.retire(name)
+            self.addresses.pop(name, None)
+
+
+def _emulated(role: Role) -> bool:
+    return "hybridrec.cli" not in role.argv[:4]
+
+
+def _flag(argv: Sequence[str], flag: str) -> str:
+    return argv[list(argv).index(flag) + 1]
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def _with_argv(role: Role, argv: list[str]) -> Role:
+    from dataclasses import replace
+
+    return replace(role, argv=argv)
+
+
+def control_address(run: str | Path) -> str:
+    """The control channel of the job running in `run` (its train.output_dir), or UserError."""
+    path = Path(run) / CONTROL_FILE
+    try:
+        info = json.loads(path.read_text())
+        return str(info["address"])
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; RUN must be the train.output_dir of a job running under "
+                        "`hybridrec launch` (its launcher writes control.json there)") from None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: not a control file of hybridrec launch") from None
+
+
+def scale(run: str | Path, ps: int, *, timeout: float = 3600.0) -> dict:
+    """Ask the launcher of the job in `run` for `ps` PS servers; its status once the buckets
+    moved (`hybridrec scale RUN --ps N`)."""
+    from hybridrec.comm.transport import RemoteError
+
+    address = control_address(run)
+    with Client(address, timeout=timeout, retries=0, key=None) as client:
+        try:
+            return client.request("scale", meta={"ps": ps}).meta
+        except RemoteError as error:
+            raise UserError(f"hybridrec scale {run} --ps {ps}: {error.message}") from None
+        except TimeoutError:
+            raise UserError(f"hybridrec scale {run}: the launcher at {address} did not answer within "
+                            f"{timeout:g}s (is the job still running?)") from None

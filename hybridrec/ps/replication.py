@@ -1,0 +1,179 @@
+"""Replicated buckets (`strategy.ps_replicas: 2`): synchronous forwarding from each bucket's
+primary to its backup, exactly-once pushes across a failover, and rebuilding a backup.
+
+The guarantee. A push acknowledged by a primary has been applied on the primary and, when the
+bucket has a backup in the primary's routing table and that backup answers, written on the
+backup before the acknowledgement left: after each push the primary sends the pushed keys'
+whole rows (embedding and optimizer state, `replica_put`), so the backup holds exactly the
+primary's rows of every key ever pushed. A failover (the primary lost, `Coordinator.fail_over`)
+therefore loses no acknowledged update. Keys only ever looked up, never pushed, are not
+forwarded: the backup makes them again with the same first value (a row's first value depends
+only on the table's seed and the key), on a lookup or on a push (with replication a push makes
+the rows it does not find, where an unreplicated server drops their update). When a backup does not answer, the primary acknowledges
+alone; the coordinator sees the lost server and gives the buckets a new backup.
+
+Exactly once. Every push carries an id (client, sequence); a server remembers the ids it
+applied, and a backup the ids of the pushes forwarded to it (`AppliedPushes`). A client whose
+primary was lost while it waited sends the same push, with the same id, to the new primary
+(the former backup): when the push had been forwarded it is answered without being applied
+again.
+
+Rebuilding (`replicate` operation, on the primary): holding its lock exclusive (no push in
+between), the primary copies the rows of the buckets to their new backup, then takes the new
+table, and forwards from then on.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from hybridrec.comm.transport import Client, Message, Operation
+from hybridrec.embedding import EmbeddingStore
+from hybridrec.ps.ownership import BucketOwnership, check_buckets, mask_of, rows_message
+from hybridrec.ps.routing import NO_SERVER, RoutingTable
+
+REMEMBERED_PUSHES = 1 << 16  # ids of applied pushes kept (per server): far more than a failover re-sends
+FORWARD_TIMEOUT = 10.0
+
+
+def push_id(meta: Mapping[str, Any]) -> tuple[str, int] | None:
+    """A request's push id [client, sequence], None when it carries none; ValueError when malformed."""
+    value = meta.get("push_id")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str) or len(value[0]) > 64
+            or isinstance(value[1], bool) or not isinstance(value[1], int)):
+        raise ValueError(f"meta 'push_id' must be [client id (at most 64 characters), sequence number], got {value!r:.80}")
+    return value[0], value[1]
+
+
+class AppliedPushes:
+    """The ids of the pushes this server applied (directly or forwarded), the newest
+    `REMEMBERED_PUSHES`, with the reply each got."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[tuple[str, int], dict] = OrderedDict()
+        self._lock = threading.Lock()
+        self.duplicates = 0
+
+    def reply_of(self, key: tuple[str, int] | None) -> dict | None:
+        if key is None:
+            return None
+        with self._lock:
+            reply = self._seen.get(key)
+            if reply is not None:
+                self.duplicates += 1
+            return reply
+
+    def remember(self, key: tuple[str, int] | None, reply: dict) -> None:
+        if key is None:
+            return
+        with self._lock:
+            self._seen[key] = reply
+            while len(self._seen) > REMEMBERED_PUSHES:
+                self._seen.popitem(last=False)
+
+
+class Replication:
+    """Forwarding and rebuilding for one server; `key` is the job key its clients use."""
+
+    def __init__(self, ownership: BucketOwnership, stores: Callable[[], dict[str, EmbeddingStore]], key=None):
+        self.ownership, self._stores, self._key = ownership, stores, key
+        self.applied = AppliedPushes()
+        self._local = threading.local()
+        self.counts = {"forwarded": 0, "forward_failures": 0}
+
+    def _client(self, address: str) -> Client:
+        clients = self._local.__dict__.setdefault("clients", {})
+        if address not in clients:
+            clients[address] = Client(address, timeout=FORWARD_TIMEOUT, retries=0, key=self._key)
+        return clients[address]
+
+    def operations(self) -> dict[str, Operation]:
+        return {"replica_put": Operation(self._put, arrays=None), "replicate": Operation(self._replicate, arrays=None)}
+
+    # ---------------------------------------------------------------- forwarding
+    def active(self) -> bool:
+        """Whether the job replicates its buckets (this server's table gives them backups)."""
+        table = self.ownership.table
+        return table is not None and table.replicated
+
+    def forward(self, tables: Sequence[str], keys: Sequence[np.ndarray], pushed: tuple[str, int] | None) -> None:
+        """Send the pushed keys' rows to their buckets' backups (call it holding the ownership
+        lock shared, after applying the push)."""
+        table = self.ownership.table
+        if table is None or not table.replicated:
+            return
+        stores = self._stores()
+        by_backup: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for t, (name, table_keys) in enumerate(zip(tables, keys)):
+            backups = table.backups[self.ownership.buckets(name, table_keys)]
+            for backup in np.unique(backups):
+                if backup != NO_SERVER:
+                    by_backup.setdefault(int(backup), []).append((t, table_keys[backups == backup]))
+        for backup, parts in by_backup.items():
+            names = [tables[t] for t, _ in parts]
+            arrays = {}
+            for i, (t, part_keys) in enumerate(parts):
+                rows, meta = stores[tables[t]].rows_of(part_keys)
+                arrays[f"{i}.rows"], arrays[f"{i}.meta"] = rows, meta
+            request = {"tables": names, **({} if pushed is None else {"push_id": list(pushed)})}
+            try:
+                self._client(table.addresses[backup]).request("replica_put", arrays, request)
+                self.counts["forwarded"] += 1
+            except (TimeoutError, OSError, RuntimeError):  # the backup is lost: the coordinator replaces it
+                self.counts["forward_failures"] += 1
+
+    def _put(self, request: Message) -> Message:
+        """Overwrite the rows a primary forwarded (of buckets this server backs)."""
+        stores = self._stores()
+        tables = request.meta.get("tables")
+        if not isinstance(tables, list) or any(t not in stores for t in tables):
+            raise ValueError(f"meta 'tables' must name tables of this server ({sorted(stores)}), got {tables!r:.200}")
+        pushed = push_id(request.meta)
+        parts = []
+        for i, name in enumerate(tables):
+            rows, meta = request.arrays.get(f"{i}.rows"), request.arrays.get(f"{i}.meta")
+            width = stores[name].config.row_width
+            if (not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != width
+                    or not isinstance(meta, np.ndarray) or meta.dtype != np.int32 or meta.shape != (len(rows), 8)):
+                raise ValueError(f"replica_put: arrays {i}.rows / {i}.meta must be float32 [n, {width}] rows and "
+                                 f"int32 [n, 8] records of table {name!r}")
+            parts.append((name, rows, meta))
+        with self.ownership.lock.shared():
+            moved = self.ownership.refusal("replica_put", tables,
+                                           [np.ascontiguousarray(m.view(np.uint64)[:, 0]) for _, _, m in parts],
+                                           backup=True)
+            if moved is not None:
+                return moved
+            for name, rows, meta in parts:
+                stores[name].insert_rows(rows, meta)
+            self.applied.remember(pushed, {"dropped": 0})
+        return Message("replica_put", meta={"rows": int(sum(len(r) for _, r, _ in parts))})
+
+    # ---------------------------------------------------------------- rebuilding
+    def _replicate(self, request: Message) -> Message:
+        """arrays buckets + the new table, meta {tables, backup}: copy the buckets' rows to the
+        server `backup` (an address) as their backup, then take the table."""
+        buckets = check_buckets(request.arrays.get("buckets"))
+        table = RoutingTable.from_wire(request.arrays, request.meta)
+        backup = request.meta.get("backup")
+        if table is None or not isinstance(backup, str) or table.slot(backup) is None:
+            raise ValueError("replicate needs the new routing table and meta 'backup', one of its addresses")
+        stores = self._stores()
+        tables = list(stores)
+        copying = mask_of(buckets)
+        ownership = self.ownership
+        with ownership.lock.exclusive():
+            if not ownership.owned[buckets].all():
+                raise ValueError(f"replicate: this server is not the primary of buckets "
+                                 f"{buckets[~ownership.owned[buckets]][:8].tolist()}")
+            arrays, nbytes = rows_message(stores, tables, lambda t: ownership.in_mask(t, copying))
+            wire_arrays, wire_meta = table.to_wire()
+            self._client(backup).request("bucket_import", {"buckets": buckets, **arrays, **wire_arrays},
+                                         {"tables": tables, "backup": True, **wire_meta}, idempotent=True)
+            ownership.take(table)
+        return Message("replicate", meta={"bytes": nbytes})
