@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import threading
 import time
 from pathlib import Path
@@ -183,7 +184,7 @@ class ScaleControl:
         host = _flag(template.argv, "--host")
         port = free_ports(1, host)[0]
         argv = _set_flag(_set_flag(list(template.argv), "--port", str(port)), "--shm-name", ps_shm_name(self.job, index))
-        role = _with_argv(template, argv)
+        role = _with_argv(template, argv, name)
         self.plan.shm_names.append(ps_shm_name(self.job, index))  # deleted with the job's
         ready = self.supervisor.add_service(role)
         if not ready.wait(READY_SECONDS):
@@ -212,10 +213,8 @@ def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return argv
 
 
-def _with_argv(role: Role, argv: list[str]) -> Role:
-    from dataclasses import replace
-
-    return replace(role, argv=argv)
+def _with_argv(role: Role, argv: list[str], name: str | None = None) -> Role:
+    return replace(role, argv=argv, name=name or role.name)
 
 
 def control_address(run: str | Path) -> str:

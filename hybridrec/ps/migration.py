@@ -194,9 +194,14 @@ class Coordinator:
         if backup == NO_SERVER:
             self._call(primary, "routing_set", meta={"slot": step.slot(primary)}, table=step)
         else:
-            reply = self._call(primary, "replicate", {"buckets": buckets},
-                               {"backup": step.addresses[backup]}, table=step)
-            self.metrics.bytes_moved += int(reply.meta.get("bytes", 0))
+            target_address = step.addresses[backup]
+            self._call(target_address, "bucket_import", {"buckets": buckets},
+                       {"tables": self.tables, "backup": True}, table=step)
+            self._call(primary, "routing_set", meta={"slot": step.slot(primary)}, table=step)
+            rows = self._call(primary, "bucket_rows", {"buckets": buckets}, {"tables": self.tables})
+            self._call(target_address, "bucket_import", {"buckets": buckets, **rows.arrays},
+                       {"tables": self.tables, "backup": True, "keep_existing": True}, table=step)
+            self.metrics.bytes_moved += int(rows.meta.get("bytes", 0))
             self.metrics.backups_rebuilt += len(buckets)
         self._commit(step)
         for old in {current.addresses[int(s)] for s in np.unique(current.backups[buckets]) if s != NO_SERVER}:

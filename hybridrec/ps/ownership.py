@@ -26,9 +26,12 @@ Operations (added to the server's):
                  the coordinator's figures, are answered to `routing` requests (trainers report them)
   bucket_export  arrays buckets int64 + the new table, meta {tables}: stops serving the buckets
                  and answers, per table i, arrays <i>.rows and <i>.meta of their keys
-  bucket_import  arrays buckets, <i>.rows, <i>.meta + the new table, meta {tables, backup}: the
-                 rows replace any held for those buckets, which are then served (or, with
-                 `backup`, kept as their backup)
+  bucket_import  arrays buckets, <i>.rows, <i>.meta + the new table, meta {tables, backup,
+                 keep_existing}: the rows (none: the buckets start empty) replace any held for those
+                 buckets, which are then served
+                 (or, with `backup`, kept as their backup); with `keep_existing` only the keys not
+                 held are added (a backup filled while its primary forwards to it already)
+  bucket_rows    arrays buckets, meta {tables}: a copy of those buckets' rows (nothing changes)
   bucket_drop    arrays buckets: the rows of those buckets, exported earlier, are deleted
   freeze         meta {seconds}: no bucket is exported or dropped for that long (a checkpoint
                  of the job runs; 0 ends it)
@@ -242,6 +245,7 @@ class BucketOwnership:
                 "bucket_export": Operation(self._export, arrays=None),
                 "bucket_import": Operation(self._import, arrays=None),
                 "bucket_drop": Operation(self._drop, {"buckets": "int64"}),
+                "bucket_rows": Operation(self._rows, arrays=None),
                 "freeze": Operation(self._freeze)}
 
     def _freeze(self, request: Message) -> Message:
@@ -312,15 +316,26 @@ class BucketOwnership:
         self.counts["bytes_moved"] += nbytes
         return Message("bucket_export", arrays, {"tables": tables, "bytes": nbytes})
 
+    def _rows(self, request: Message) -> Message:
+        """A copy of the buckets' rows, serving them on (a new backup is filled from it)."""
+        buckets = check_buckets(request.arrays.get("buckets"))
+        tables, stores = self._stores_named(request.meta.get("tables"))
+        copying = mask_of(buckets)
+        arrays, nbytes = rows_message(stores, tables, lambda t: self.in_mask(t, copying))
+        return Message("bucket_rows", arrays, {"tables": tables, "bytes": nbytes})
+
     def _import(self, request: Message) -> Message:
         buckets = check_buckets(request.arrays.get("buckets"))
         tables, stores = self._stores_named(request.meta.get("tables"))
         table = RoutingTable.from_wire(request.arrays, request.meta)
         backup = request.meta.get("backup", False)
+        keep = request.meta.get("keep_existing", False)
         parts = []
         for i, name in enumerate(tables):
             rows, meta = request.arrays.get(f"{i}.rows"), request.arrays.get(f"{i}.meta")
             width = stores[name].config.row_width
+            if rows is None and meta is None:  # no rows of this table: the buckets start empty here
+                rows, meta = np.empty((0, width), np.float32), np.empty((0, 8), np.int32)
             if (not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != width
                     or not isinstance(meta, np.ndarray) or meta.dtype != np.int32 or meta.shape[0] != rows.shape[0]):
                 raise ValueError(f"bucket_import: arrays {i}.rows / {i}.meta must be float32 [n, {width}] rows "
@@ -329,8 +344,13 @@ class BucketOwnership:
         moving = mask_of(buckets)
         with self.lock.exclusive():
             for name, rows, meta in parts:
-                stores[name].remove_where(self.in_mask(name, moving))  # rows left from an earlier stay
-                stores[name].insert_rows(rows, meta)
+                store = stores[name]
+                if keep:  # a backup being filled: rows forwarded to it meanwhile are newer
+                    absent = store.lookup(np.ascontiguousarray(meta.view(np.uint64)[:, 0]), insert=False).rows < 0
+                    rows, meta = rows[absent], meta[absent]
+                else:
+                    store.remove_where(self.in_mask(name, moving))  # rows left from an earlier stay
+                store.insert_rows(rows, meta)
             if backup:
                 self.backed |= moving
             else:

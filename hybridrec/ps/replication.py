@@ -18,9 +18,11 @@ primary was lost while it waited sends the same push, with the same id, to the n
 (the former backup): when the push had been forwarded it is answered without being applied
 again.
 
-Rebuilding (`replicate` operation, on the primary): holding its lock exclusive (no push in
-between), the primary copies the rows of the buckets to their new backup, then takes the new
-table, and forwards from then on.
+Rebuilding a backup (`Coordinator._rebackup`): the new backup takes the buckets empty, the
+primary takes the table that names it and forwards from then on, then the primary's rows of the
+buckets are copied to the backup, which adds only the keys no forward brought it (those are
+newer). No server holds its lock while it waits for another, so two servers forwarding to each
+other never wait on each other.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ import numpy as np
 
 from hybridrec.comm.transport import Client, Message, Operation
 from hybridrec.embedding import EmbeddingStore
-from hybridrec.ps.ownership import BucketOwnership, check_buckets, mask_of, rows_message
-from hybridrec.ps.routing import NO_SERVER, RoutingTable
+from hybridrec.ps.ownership import BucketOwnership
+from hybridrec.ps.routing import NO_SERVER
 
 REMEMBERED_PUSHES = 1 << 16  # ids of applied pushes kept (per server): far more than a failover re-sends
 FORWARD_TIMEOUT = 10.0
@@ -93,7 +95,7 @@ class Replication:
         return clients[address]
 
     def operations(self) -> dict[str, Operation]:
-        return {"replica_put": Operation(self._put, arrays=None), "replicate": Operation(self._replicate, arrays=None)}
+        return {"replica_put": Operation(self._put, arrays=None)}
 
     # ---------------------------------------------------------------- forwarding
     def active(self) -> bool:
@@ -153,27 +155,3 @@ class Replication:
                 stores[name].insert_rows(rows, meta)
             self.applied.remember(pushed, {"dropped": 0})
         return Message("replica_put", meta={"rows": int(sum(len(r) for _, r, _ in parts))})
-
-    # ---------------------------------------------------------------- rebuilding
-    def _replicate(self, request: Message) -> Message:
-        """arrays buckets + the new table, meta {tables, backup}: copy the buckets' rows to the
-        server `backup` (an address) as their backup, then take the table."""
-        buckets = check_buckets(request.arrays.get("buckets"))
-        table = RoutingTable.from_wire(request.arrays, request.meta)
-        backup = request.meta.get("backup")
-        if table is None or not isinstance(backup, str) or table.slot(backup) is None:
-            raise ValueError("replicate needs the new routing table and meta 'backup', one of its addresses")
-        stores = self._stores()
-        tables = list(stores)
-        copying = mask_of(buckets)
-        ownership = self.ownership
-        with ownership.lock.exclusive():
-            if not ownership.owned[buckets].all():
-                raise ValueError(f"replicate: this server is not the primary of buckets "
-                                 f"{buckets[~ownership.owned[buckets]][:8].tolist()}")
-            arrays, nbytes = rows_message(stores, tables, lambda t: ownership.in_mask(t, copying))
-            wire_arrays, wire_meta = table.to_wire()
-            self._client(backup).request("bucket_import", {"buckets": buckets, **arrays, **wire_arrays},
-                                         {"tables": tables, "backup": True, **wire_meta}, idempotent=True)
-            ownership.take(table)
-        return Message("replicate", meta={"bytes": nbytes})
