@@ -17,6 +17,8 @@ BENCHMARKS = {
     "reader": ("hybridrec.benchmarks.reader", "Criteo TSV reader rows/s vs pandas.read_csv"),
     "small-data": ("hybridrec.benchmarks.small_data", "the defaults on small generated CSV files: LR and DeepFM test AUC "
                    "vs scikit-learn's LogisticRegression"),
+    "tiers": ("hybridrec.benchmarks.tiers", "a table 5x its memory tier on a disk tier vs all in memory: samples/s, "
+              "peak RSS, bytes on disk, hit rate, lost rows; the store evicting vs never evicting"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
     "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),
     "picasso": ("hybridrec.benchmarks.picasso", "PICASSO's ablation (sharded, +packing, +interleaving, +hot/cold) vs local "

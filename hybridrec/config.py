@@ -232,6 +232,13 @@ class OptimizerSection(_Section):
         return d
 
 
+class TierSection(_Section):
+    """A disk tier under the tables' memory (hybridrec/embedding/disk_tier.py)."""
+
+    path: str = Field(min_length=1, description="directory of the tier; each table gets its own directory in it")
+    capacity_rows: int = Field(ge=1, le=2**40, description="rows the tier of one table may hold on disk")
+
+
 class TableSection(_Section):
     """Settings of embedding tables; every field of hybridrec.embedding.TableConfig but dim."""
 
@@ -251,6 +258,9 @@ class TableSection(_Section):
         None, description="{steps: N} or {seconds: S}: drop a row training has not used for longer (a stream's "
                           "features come and go); checked every 1/64 of the bound")
 
+    tier: Optional[TierSection] = Field(None, description="{path, capacity_rows}: rows evicted from memory are "
+                                        "kept on disk with their optimizer state and come back at their next pull")
+
     @field_validator("expire_after")
     @classmethod
     def _expire_after(cls, v):
@@ -266,12 +276,16 @@ class TableSection(_Section):
         parse_init(v)
         return v
 
-    def table_config(self, dim: int, seed_offset: int = 0):
+    def table_config(self, dim: int, seed_offset: int = 0, name: str | None = None):
+        """The TableConfig of table `name`: its disk tier, if any, in `<tier.path>/<name>`."""
         from hybridrec.embedding import TableConfig
+        from hybridrec.embedding.disk_tier import table_tier_path
 
         d = self.model_dump()
         d["optimizer"] = self.optimizer.as_dict()
         d["seed"] = self.seed + seed_offset
+        if self.tier is not None:
+            d["tier"] = {"path": table_tier_path(self.tier.path, name or "table"), "capacity_rows": self.tier.capacity_rows}
         return TableConfig(dim=dim, **d)
 
 

@@ -3,7 +3,7 @@
 `save` and `load` are `EmbeddingStore.save` / `EmbeddingStore.load` for callers that hold a
 function rather than the class; the file format is checkpoint_format.py's. `load_resharded`
 reads checkpoints taken with N shards into shard s of M: it keeps the keys that the global route
-(`hashing.route`) sends to s.
+(`hashing.route`) sends to s, from the memory tiers and the disk tiers of the checkpoints.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import kernels as K
-from .checkpoint_format import Snapshot, check_compatible, read, read_manifest, saved_config
+from .checkpoint_format import Snapshot, check_compatible, read, read_manifest, saved_config, tier_rows
 from .hashing import route
 from .store import EmbeddingStore
 from .table import TableConfig
@@ -49,16 +49,21 @@ def load_resharded(directories, shard: int, num_shards: int, table_id: int = 0, 
     config = TableConfig.from_dict({**saved_config(manifests[0]).to_dict(), **overrides})
     for d, m in zip(directories, manifests):
         check_compatible(m, config, d)
-    rows, meta = [], []
+    rows, meta, tiers = [], [], []
     for d, m in zip(directories, manifests):
         saved = read(d, m)
         mine = route(np.ascontiguousarray(saved.meta.view(np.uint64)[:, 0]), table_id, num_shards) == shard
         rows.append(saved.rows[mine])
         meta.append(saved.meta[mine])
+        tiers.append((saved.tier, f"checkpoint: {d}"))
     # no partition layout: the rows are re-inserted, least recently used first
     gathered = Snapshot(config=config, nparts=0, rows=np.concatenate(rows), meta=np.concatenate(meta),
                         parts=np.empty((0, K.PARTS_WIDTH), np.int64), sketch=np.empty((2, 0), np.uint16),
                         step=max(m["step"] for m in manifests), epoch=0, dropped_updates=0)
     store = EmbeddingStore(config, shm_name=shm_name)
     store.restore(gathered, source=f"checkpoints {[str(d) for d in directories]}")
+    for tier, source in tiers:  # the disk tiers' rows, a chunk at a time
+        for keys, cold_rows, counts, clocks in tier_rows(tier, source):
+            mine = route(keys, table_id, num_shards) == shard
+            store.add_cold_rows(keys[mine], cold_rows[mine], counts[mine], clocks[mine])
     return store

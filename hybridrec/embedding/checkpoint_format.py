@@ -4,7 +4,10 @@ A checkpoint is a directory: `manifest.json` (format, table config, layout, coun
 each array file its dtype, shape, byte size and CRC32) and one raw `.bin` file per array of a
 `Snapshot`: `rows` (each live row's embedding and optimizer state), `meta` (their metadata
 records: key, LRU links, count, clock, last use), `parts` (the partitions' bookkeeping) and
-`sketch` (the admission counters). It is written to a temporary directory and renamed into
+`sketch` (the admission counters), and, for a store with a disk tier, `tier/`: the tier's records
+in chunk files (disk_tier.py's layout). Those are hard links to the tier's own copies of its
+last saved chunks, so a checkpoint writes only the chunks that changed since the one before
+(and copies them only when the links cannot be made, across file systems). It is written to a temporary directory and renamed into
 place, so an interrupted save never damages the previous checkpoint. Reading verifies every
 checksum and refuses a corrupt, truncated or mismatched checkpoint with an error naming the file.
 Every file is written and read through directory handles (`dir_handle`): given an `Entry` of an
@@ -18,18 +21,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from .dir_handle import DirHandle, Entry, open_directory, parent_and_name
+from .disk_tier import read_chunk_file
 from .table import TableConfig
 
 FORMAT = "hybridrec-embedding-store"
 VERSION = 2  # 2: metadata saved apart from rows
 MANIFEST = "manifest.json"
 ARRAYS = ("rows", "meta", "parts", "sketch")
+TIER_DIRECTORY = "tier"
 
 
 @dataclasses.dataclass
@@ -48,6 +54,8 @@ class Snapshot:
     extra: dict = dataclasses.field(default_factory=dict)
     expired: int = 0  # rows dropped by expiry
     expiry_marks: list = dataclasses.field(default_factory=list)  # [[lookup call, step, time]] (store.expire)
+    # the disk tier's rows: {"layout": DiskTier.layout, "rows": n, "chunks": [{"file", "crc32", "records"}]}
+    tier: dict | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in ARRAYS}
@@ -61,10 +69,12 @@ def write(directory, snapshot: Snapshot):
     """Write `snapshot` to `directory` (a path, or an `Entry` of an open directory), replacing
     what was there atomically; returns `directory` (a path as a Path)."""
     config = snapshot.config
+    table = config.to_dict()
+    table.pop("tier", None)  # where the tier lives is the loading job's choice, not the checkpoint's
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "table": config.to_dict(),
+        "table": table,
         "layout": {"capacity": config.capacity, "nparts": snapshot.nparts, "row_width": config.row_width},
         "step": int(snapshot.step),
         "epoch": int(snapshot.epoch),
@@ -86,6 +96,8 @@ def write(directory, snapshot: Snapshot):
                     arr.tofile(fh)
                 manifest["files"][array_name] = {"dtype": arr.dtype.str, "shape": list(arr.shape),
                                                  "bytes": int(arr.nbytes), "crc32": _crc(arr)}
+            if snapshot.tier is not None:
+                manifest["tier"] = _write_tier(out, snapshot.tier)
             with out.open_file(MANIFEST, "xb") as fh:
                 fh.write(json.dumps(manifest, indent=1).encode())
                 fh.flush()
@@ -95,6 +107,34 @@ def write(directory, snapshot: Snapshot):
         parent.rename(tmp, name)
         parent.remove(old)
     return directory if isinstance(directory, Entry) else Path(directory)
+
+
+def _write_tier(out: DirHandle, tier: dict) -> dict:
+    """Link (or, across file systems, copy) the tier's chunk files into `tier/` of the checkpoint
+    being written; returns the manifest's description of them."""
+    chunks = []
+    with out.sub(TIER_DIRECTORY, create=True) as sub:
+        for chunk in tier["chunks"]:
+            name = f"c{int(chunk['chunk']):06d}.bin"
+            try:
+                os.link(chunk["file"], name, dst_dir_fd=sub.fd)
+            except OSError:  # another file system: a copy
+                with open(chunk["file"], "rb") as src, sub.open_file(name, "xb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            chunks.append({"chunk": int(chunk["chunk"]), "file": name, "crc32": int(chunk["crc32"])})
+    return {"layout": tier["layout"], "rows": int(tier["rows"]), "chunks": chunks}
+
+
+def tier_rows(tier: dict | None, source: str):
+    """(keys, rows, counts, clocks) of a snapshot's disk tier, one chunk at a time, each chunk's
+    CRC32 checked as it is read."""
+    if not tier:
+        return
+    layout = tier["layout"]
+    for chunk in tier["chunks"]:
+        where = f"{source}: {chunk['file']}"
+        yield read_chunk_file(chunk["file"], int(layout["record_int32s"]), int(layout["row_width"]),
+                              int(chunk["crc32"]), where)
 
 
 def read_manifest(directory) -> dict:
@@ -185,6 +225,10 @@ def read(directory, manifest: dict | None = None) -> Snapshot:
         arrays = {name: _read_array(handle, manifest, name) for name in ARRAYS}
         where = handle.where(MANIFEST)
         rows_where = handle.where("rows.bin")
+        tier = manifest.get("tier")
+        if tier is not None:  # read chunk by chunk when restored (tier_rows): here only named
+            tier = {**tier, "chunks": [{**c, "file": os.path.join(handle.where(TIER_DIRECTORY), c["file"])}
+                                       for c in tier["chunks"]]}
     try:
         config, nparts = saved_config(manifest), int(manifest["layout"]["nparts"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -196,4 +240,12 @@ def read(directory, manifest: dict | None = None) -> Snapshot:
                     step=int(manifest["step"]), epoch=int(manifest["epoch"]),
                     dropped_updates=int(manifest.get("dropped_updates", 0)), extra=manifest.get("extra", {}),
                     expired=int(manifest.get("expired", 0)),
-                    expiry_marks=[tuple(m) for m in manifest.get("expiry_marks", [])], **arrays)
+                    expiry_marks=[tuple(m) for m in manifest.get("expiry_marks", [])], tier=tier, **arrays)
+
+
+def verify(directory) -> None:
+    """Read the checkpoint in `directory` whole, its arrays and its tier's chunks, checking every
+    size and checksum (ValueError naming the bad file), without keeping more than one chunk."""
+    snapshot = read(directory)
+    for _ in tier_rows(snapshot.tier, str(directory)):
+        pass

@@ -374,14 +374,15 @@ class EmbeddingCollection(torch.nn.Module):
         return bsz, positions
 
     def _group_for(self, names: tuple):
-        """The one-call fast path for these features, if each has a table of its own (else None)."""
+        """The one-call fast path for these features, if each has a table of its own, in one
+        partition and without a disk tier (else None: the per-table path serves them)."""
         group = self._groups.get(names, _UNDECIDED)
         if group is not _UNDECIDED:
             return group
         tables = [self.feature_to_table[n] for n in names]
         stores = [self.stores[t] for t in tables]
         eligible = len(set(tables)) == len(tables) and all(self._table_users[t] == 1 and s.nparts == 1
-                                                           for t, s in zip(tables, stores))
+                                                           and s.disk_tier is None for t, s in zip(tables, stores))
         group = self._groups[names] = _TableGroup(stores, tables) if eligible else None
         return group
 

@@ -88,3 +88,11 @@ def route(keys, table_id, num_shards):
 def route_salt(table_id) -> np.uint64:
     """The salt `route` mixes a table's keys with (`route_one` takes it)."""
     return np.uint64(mix64(np.uint64((int(ROUTE_SALT) + int(table_id) * int(U64_GOLDEN)) % 2**64)))
+
+
+@njit(inline="always")
+def stays_in_run(home, hole, j, ns):
+    """Backward-shift deletion in a linear-probing table of ns slots: whether the entry at slot j,
+    whose home slot is `home`, must stay where it is when slot `hole` (before j in the run) is
+    freed, because its home lies after the hole (moving it there would put it before its home)."""
+    return 0 < (home - hole) % ns <= (j - hole) % ns

@@ -25,10 +25,12 @@ import numpy as np
 from numba import njit, prange
 
 from .dedupe import dedupe
-from .hashing import INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, index_hash, mix64, scale32, scale_hi32, uniform01
+from .hashing import (INIT_SALT, ADMIT_SALT, SKETCH_SALT, U64_GOLDEN, index_hash, mix64, scale32, scale_hi32,
+                      stays_in_run, uniform01)
 from .cache_hints import (CACHE_LINE, LINE_FLOATS, prefetch_cell, prefetch_cell_for_write, prefetch_row, store_fence,
                           stream_line)
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
+from .tier_kernels import TP_HITS, TP_LOOKUPS, has_tier, maybe_on_disk, tier_find, tier_put, tier_take
 
 # metadata columns, relative to the meta offset (int32 view)
 M_PREV, M_NEXT, M_COUNT, M_CLOCK, M_STAMP, M_SLOT = 2, 3, 4, 5, 6, 7
@@ -246,11 +248,8 @@ def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
         e = index[s0 + j]
         if e < 0:
             break
-        home = scale32(index_hash(r64[_entry_row(e, row_bits), kcol]), ns)
-        d_home = (home - hole) % ns
-        d_j = (j - hole) % ns
-        if 0 < d_home <= d_j:
-            continue  # its home lies after the hole: it must stay
+        if stays_in_run(scale32(index_hash(r64[_entry_row(e, row_bits), kcol]), ns), hole, j, ns):
+            continue
         index[s0 + hole] = e
         hole = j
     index[s0 + hole] = -1
@@ -398,14 +397,20 @@ def _admit_any(key, seed, times, parts, p, icfg, fcfg, sketch):
 
 @njit(cache=True, nogil=True)
 def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
-                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase):
+                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase, tier):
     """Probe (and insert) the keys of partition p; returns (number of unique rows, error code).
 
     Three passes: dedupe the batch's keys locally (`dedupe`); probe each distinct key once in a
     software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row, metadata and LRU
     neighbours of the key PREFETCH_ROW ahead are requested from memory early, so their misses
     overlap instead of following one another); then map every position to its unique row. A key
-    absent or refused admission reads as row -1 at every one of its positions."""
+    absent or refused admission reads as row -1 at every one of its positions.
+
+    With a disk tier (`tier`, tier_kernels.py) an evicted row is written there with its optimizer
+    state, count and clock, and a key absent from memory but on disk comes back into a row, in
+    every mode. A read-only lookup of such a store may thus evict, so it marks every row it
+    returns as used by this call (stamp, LRU position), as a training lookup does, so that the
+    call cannot evict a row it has already returned; it still leaves access counts alone."""
     meta = icfg[IC_META]
     kcol = meta // 2
     width = rows.shape[1]
@@ -413,7 +418,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     row_bits = icfg[IC_ROW_BITS]
     rows_part = _row_mask(row_bits)
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
-    linked = not lfu and mode != MODE_FIND and parts[p, PT_LRU_KEPT] == 1  # relink each use
+    tiered = has_tier(tier)
+    linked = not lfu and (mode != MODE_FIND or tiered) and parts[p, PT_LRU_KEPT] == 1  # relink each use
     s0 = parts[p, PT_SLOT_START]
     ns = parts[p, PT_SLOT_COUNT]
     n = hi - lo
@@ -461,8 +467,9 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
         r = _entry_row(index[slot], row_bits)
         if r < 0:
-            if mode == MODE_FIND or (mode == MODE_TRAIN and not admit_all
-                                     and not _admit_any(key, seed, mult[u], parts, p, icfg, fcfg, sketch)):
+            on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, key) else np.int64(-1)
+            if on_disk < 0 and (mode == MODE_FIND or (mode == MODE_TRAIN and not admit_all and not _admit_any(
+                    key, seed, mult[u], parts, p, icfg, fcfg, sketch))):
                 row_of[u] = -1
                 slot_of[u] = -1
                 continue
@@ -488,6 +495,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                         r = -1
                 if r < 0:
                     return nuniq, ERR_FULL
+                if tiered:  # the victim goes to disk; on_disk stays valid: a put moves no record
+                    tier_put(tier, p, r64[r, kcol], rows, r, r32, meta, M_COUNT, M_CLOCK)
                 _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
                                                        index_hash(r64[r, kcol]), row_bits), s0, ns, row_bits)
                 if linked:
@@ -497,14 +506,20 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
             index[slot] = _entry(r, h, row_bits)
             r64[r, kcol] = key
-            _init_row(rows, r, key, seed, icfg, fcfg)
-            r32[r, meta + M_COUNT] = 0
-            r32[r, meta + M_CLOCK] = 0
+            if on_disk >= 0:
+                tier_take(tier, p, on_disk, rows, r, r32, meta, M_COUNT, M_CLOCK)
+            else:
+                _init_row(rows, r, key, seed, icfg, fcfg)
+                r32[r, meta + M_COUNT] = 0
+                r32[r, meta + M_CLOCK] = 0
+                parts[p, PT_INSERTED] += 1
             if linked:
                 _lru_push_head(r32, meta, parts, p, r)
-            parts[p, PT_INSERTED] += 1
-        elif linked:
-            _lru_touch(r32, meta, parts, p, r)
+        else:
+            if tiered:
+                tier[3][p, TP_HITS] += 1
+            if linked:
+                _lru_touch(r32, meta, parts, p, r)
         if mode != MODE_FIND:  # a training use: read-only lookups leave recency and counts alone
             c = r32[r, meta + M_COUNT] + mult[u]
             r32[r, meta + M_COUNT] = c
@@ -512,10 +527,15 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 _age_counts(r32, meta, parts, p)
             r32[r, meta + M_STAMP] = epoch  # in use by this batch: not evictable until the next
             r32[r, meta + M_SLOT] = ubase + nuniq
+        elif tiered:  # a read-only lookup may take rows from disk, evicting: the rows it returns stay
+            r32[r, meta + M_STAMP] = epoch
+            r32[r, meta + M_SLOT] = ubase + nuniq
         uniq_rows[ubase + nuniq] = r
         row_of[u] = r
         slot_of[u] = ubase + nuniq
         nuniq += 1
+    if tiered:
+        tier[3][p, TP_LOOKUPS] += nd
     use_order = order.shape[0] > 0
     base = np.uint64(lo)
     for jj in range(n):  # unsigned indices: no negative-index wrap per access (see dedupe)
@@ -529,23 +549,23 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
 
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_parallel(keys, hashes, order, starts, rows, r32, r64, index, parts, sketch, icfg, fcfg,
-                    seed, epoch, mode, out_rows, inverse, uniq_rows, nuniq, errors):
+                    seed, epoch, mode, out_rows, inverse, uniq_rows, nuniq, errors, tier):
     """All partitions at once, one per thread; unique rows of p land at uniq_rows[starts[p]:]."""
     for p in prange(parts.shape[0]):
         n, err = _lookup_partition(p, keys, hashes, order, starts[p], starts[p + 1], rows, r32, r64,
                                    index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
-                                   inverse, uniq_rows, starts[p])
+                                   inverse, uniq_rows, starts[p], tier)
         nuniq[p] = n
         errors[p] = err
 
 
 @njit(cache=True, nogil=True)
 def lookup_serial(keys, rows, r32, r64, index, parts, sketch, icfg, fcfg, seed, epoch,
-                  mode, out_rows, inverse, uniq_rows):
+                  mode, out_rows, inverse, uniq_rows, tier):
     """One partition: the common single-thread path, no reordering (dedupe hashes the keys)."""
     return _lookup_partition(0, keys, np.empty(0, np.uint64), np.empty(0, np.int64), 0, keys.shape[0], rows, r32,
                              r64, index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
-                             inverse, uniq_rows, 0)
+                             inverse, uniq_rows, 0, tier)
 
 
 @njit(cache=True, nogil=True)

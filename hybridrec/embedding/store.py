@@ -18,6 +18,8 @@ from hybridrec.errors import UserError
 from . import checkpoint_format
 from . import kernels as K
 from .checkpoint_format import Snapshot
+from .disk_tier import DiskTier
+from .tier_kernels import no_tier
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
 
@@ -116,6 +118,7 @@ class EmbeddingStore:
         self._arena = Arena(shm_name, create=True)
         self._allocate(create=True)
         self._arena.write_config({"table": config.to_dict(), "magic": _MAGIC})
+        self._open_tier()
 
     # ---------------------------------------------------------------- construction
     def _allocate(self, create: bool) -> None:
@@ -189,7 +192,18 @@ class EmbeddingStore:
             self._repair()
         else:
             self._set_slot_layout(self.parts[:, K.PT_SLOT_COUNT].copy())
+        self._open_tier()
         return self
+
+    def _open_tier(self) -> None:
+        """Open the disk tier the config names (its rows kept from an earlier process), repairing
+        it against the memory tier if a process died while writing it."""
+        spec = self.config.tier
+        self.disk_tier = None if spec is None else DiskTier(spec["path"], spec["capacity_rows"],
+                                                             self.config.row_width, self.nparts)
+        self._tier = no_tier() if self.disk_tier is None else self.disk_tier.tier
+        if self.disk_tier is not None and self.disk_tier.needs_repair:
+            self.disk_tier.repair(self.keys())
 
     @classmethod
     def open_shared(cls, shm_name: str, config: TableConfig | None = None, **fields) -> "EmbeddingStore":
@@ -305,7 +319,7 @@ class EmbeddingStore:
 
     def _probe(self, keys: np.ndarray, mode: int) -> Lookup:
         n = keys.shape[0]
-        if mode != K.MODE_FIND:
+        if mode != K.MODE_FIND or self.disk_tier is not None:  # (a read-only lookup takes rows back from disk)
             self.make_index_room(n)
         out_rows = np.empty(n, np.int32)
         inverse = np.empty(n, np.int32)
@@ -313,11 +327,14 @@ class EmbeddingStore:
         self.restart_epoch_count_if_due()
         self.scalars[S_EPOCH] += 1
         epoch = int(self.scalars[S_EPOCH])
+        tier = self.disk_tier
+        if tier is not None:
+            tier.begin_write()
         if self.nparts == 1:  # the kernel hashes the keys as it dedupes them
             self.scalars[S_DIRTY] = 1
             nuniq, err = K.lookup_serial(keys, self.rows, self.r32, self.r64, self.index, self.parts,
                                          self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode,
-                                         out_rows, inverse, uniq)
+                                         out_rows, inverse, uniq, self._tier)
             self.scalars[S_DIRTY] = 0
         else:
             hashes = np.empty(n, np.uint64)
@@ -331,10 +348,12 @@ class EmbeddingStore:
             self.scalars[S_DIRTY] = 1
             K.lookup_parallel(keys, hashes, order, starts, self.rows, self.r32, self.r64, self.index, self.parts,
                               self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode, out_rows, inverse,
-                              uniq, counts, errors)
+                              uniq, counts, errors, self._tier)
             self.scalars[S_DIRTY] = 0
             err = int(errors.max())
             nuniq = K.compact_unique(starts, counts, part_of, uniq, inverse)
+        if tier is not None:
+            tier.end_write()
         if err == K.ERR_FULL:
             raise self.batch_too_large_error()
         uniq = uniq[:nuniq]
@@ -517,7 +536,13 @@ class EmbeddingStore:
                             parts=self.parts.copy(), sketch=self.sketch.copy(), step=int(self.scalars[S_STEP]),
                             epoch=int(self.scalars[S_EPOCH]), dropped_updates=int(self.scalars[S_DROPPED]),
                             extra=dict(extra or {}), expired=int(self.scalars[K.SC_EXPIRED]),
-                            expiry_marks=list(self._marks))
+                            expiry_marks=list(self._marks), tier=self._tier_image())
+
+    def _tier_image(self) -> dict | None:
+        """The disk tier's part of a snapshot: its layout and chunk files (DiskTier.save_chunks)."""
+        if self.disk_tier is None:
+            return None
+        return {"layout": self.disk_tier.layout, "rows": len(self.disk_tier), "chunks": self.disk_tier.save_chunks()}
 
     def restore(self, snapshot: Snapshot, source: str = "snapshot") -> None:
         """Fill this store, which must be empty, with `snapshot` and its counters. With the
@@ -529,6 +554,8 @@ class EmbeddingStore:
         with self._lock:
             if len(self):
                 raise ValueError(f"restore: the store already holds {len(self)} keys; restore into a new store")
+            if self.disk_tier is not None:
+                self.disk_tier.clear()  # the snapshot is the whole table: its cold rows replace these
             same_layout = (parts.shape == self.parts.shape and np.array_equal(parts[:, :2], self.parts[:, :2])
                            and snapshot.sketch.shape == self.sketch.shape)
             if same_layout:
@@ -544,6 +571,8 @@ class EmbeddingStore:
                     raise ValueError(f"{source} is corrupt (a key appears in two rows)")
             else:
                 self.insert_rows(snapshot.rows, snapshot.meta)
+            for cold in checkpoint_format.tier_rows(snapshot.tier, source):
+                self.add_cold_rows(*cold)
             self.scalars[S_STEP] = snapshot.step
             self.scalars[S_EPOCH] = max(int(self.scalars[S_EPOCH]), snapshot.epoch)
             self.scalars[S_DROPPED] = snapshot.dropped_updates
@@ -634,19 +663,32 @@ class EmbeddingStore:
 
     def export(self) -> dict:
         """Copies of every live row: keys, weights [n, dim], optimizer state [n, state], access
-        counts and clocks (update counts), in row order."""
+        counts and clocks (update counts); the memory tier's rows in row order, then the disk
+        tier's."""
         cfg = self.config
         with self._lock:
             live = self.live_rows()
             rows = self.rows[live]
             meta = self.meta[live]
-        return {
-            "keys": meta.view(np.uint64)[:, 0].copy(),
-            "weights": rows[:, :cfg.dim].copy(),
-            "state": rows[:, cfg.dim:].copy(),
-            "counts": meta[:, K.M_COUNT].copy(),
-            "clocks": meta[:, K.M_CLOCK].copy(),
-        }
+            parts = [(meta.view(np.uint64)[:, 0].copy(), rows, meta[:, K.M_COUNT].copy(), meta[:, K.M_CLOCK].copy())]
+            if self.disk_tier is not None:
+                parts.extend(self.disk_tier.chunks())
+        keys, rows, counts, clocks = (np.concatenate(column) for column in zip(*parts))
+        return {"keys": keys, "weights": rows[:, :cfg.dim].copy(), "state": rows[:, cfg.dim:].copy(),
+                "counts": counts, "clocks": clocks}
+
+    def add_cold_rows(self, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, clocks: np.ndarray) -> None:
+        """Put saved rows that were on a disk tier back: on this store's disk tier, or, without
+        one, into memory as the least recently used rows (`insert_rows`)."""
+        with self._lock:
+            if self.disk_tier is not None:
+                self.disk_tier.insert(keys, rows, counts, clocks)
+                return
+            meta = np.zeros((len(keys), K.META_WIDTH), np.int32)
+            meta.view(np.uint64)[:, 0] = keys
+            meta[:, K.M_COUNT] = counts
+            meta[:, K.M_CLOCK] = clocks
+            self.insert_rows(rows, meta)
 
     def memory_bytes(self) -> int:
         """Bytes of the store's arrays. Every array, the index included, is made at the size a full
@@ -655,8 +697,11 @@ class EmbeddingStore:
         return int(self.rows.nbytes + self.meta.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
 
     def stats(self) -> dict:
+        """Counters and sizes; with a disk tier also its rows, bytes and the memory tier's hit
+        rate (`DiskTier.stats`)."""
         p = self.parts
-        return {
+        tier = {} if self.disk_tier is None else {"rows_in_memory": len(self), **self.disk_tier.stats()}
+        return {**tier,
             "size": len(self),
             "capacity": self.config.capacity,
             "dim": self.config.dim,
@@ -677,6 +722,9 @@ class EmbeddingStore:
         for arr in (self.rows, self.meta, self.index, self.parts, self.scalars, self.sketch):
             if isinstance(arr, np.memmap):
                 arr.flush()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier, self._tier = None, no_tier()
 
 
 def _as_columns(arr: np.ndarray, column: int | None):

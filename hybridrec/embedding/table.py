@@ -82,6 +82,20 @@ def parse_expire_after(spec) -> dict | None:
     return {"seconds": float(_number("expire_after.seconds", value, 0.0, low_open=True))}
 
 
+def parse_tier(spec) -> dict | None:
+    """None, or {"path": directory, "capacity_rows": N}: the disk tier under the table's memory
+    (disk_tier.py), which keeps up to N rows evicted from memory in files under `path`."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) != {"path", "capacity_rows"}:
+        raise ValueError(f"tier: must be {{path: DIR, capacity_rows: N}} (a directory of its own for this table's "
+                         f"rows evicted from memory, and how many it may hold), or null; got {spec!r}")
+    path = spec["path"]
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"tier.path: must be a non-empty directory path, got {path!r}")
+    return {"path": path, "capacity_rows": _integer("tier.capacity_rows", spec["capacity_rows"], 1, 2**40)}
+
+
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
     """How one embedding table stores, initialises and updates its rows."""
@@ -100,6 +114,7 @@ class TableConfig:
     num_threads: int = 1
     prefault: bool = False  # commit the rows' memory at creation instead of at each page's first use
     expire_after: dict | None = None  # {"steps": N} or {"seconds": S} unseen by training: `EmbeddingStore.expire`
+    tier: dict | None = None  # {"path": DIR, "capacity_rows": N}: rows evicted from memory go to disk (disk_tier.py)
 
     def __post_init__(self):
         _integer("dim", self.dim, 1, 65536)
@@ -118,6 +133,7 @@ class TableConfig:
         if not isinstance(self.prefault, bool):
             raise ValueError(f"prefault: must be true or false, got {self.prefault!r}")
         object.__setattr__(self, "expire_after", parse_expire_after(self.expire_after))
+        object.__setattr__(self, "tier", parse_tier(self.tier))
         if self.num_threads > self.capacity:
             raise ValueError(f"num_threads: {self.num_threads} is more than capacity {self.capacity}")
 
@@ -135,6 +151,8 @@ class TableConfig:
         d["init"] = dict(self.init)
         if d["expire_after"] is None:  # absent, as in checkpoints of releases before expiry
             del d["expire_after"]
+        if d["tier"] is None:
+            del d["tier"]
         return d
 
     # --------------------------------------------------------------- layout and kernel packing

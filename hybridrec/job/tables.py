@@ -68,7 +68,7 @@ def embedding_tables(cfg: JobConfig, sparse_names: list[str], dim: int, wide: bo
         if name not in tables:
             settings = _settings(emb.default, section)
             # each table gets its own seed so equal keys in different tables start differently
-            tables[name] = settings.table_config(dim, seed_offset=1000 * len(tables) + (500 if wide else 0))
+            tables[name] = settings.table_config(dim, seed_offset=1000 * len(tables) + (500 if wide else 0), name=name)
         mapping[feature] = name
     return tables, mapping
 

@@ -4,7 +4,9 @@ Persia §4.2.2-4.2.4: each table of the shard is an `EmbeddingStore` (hash index
 LRU, fused optimizer); clients route keys here with the global `route` hash. With
 `shm_prefix`, every store lives in named shared memory (`<prefix>.<table>`), so a server
 killed and restarted with the same prefix reattaches and keeps every update it acknowledged
-(a store is written before the reply leaves).
+(a store is written before the reply leaves). With `--tier-path DIR --tier-capacity N` every
+table has a disk tier in DIR/<table> (hybridrec/embedding/disk_tier.py): rows evicted from
+memory go there and come back at their next lookup, and a restarted server finds them.
 
 Operations (see `hybridrec.comm.transport` for the wire format):
   ping        -> meta {pid, tables: {name: dim}}
@@ -52,6 +54,7 @@ Run one with `python -m hybridrec.ps.server --port 7001 --table user:16:1000000`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -409,8 +412,8 @@ class EmbeddingServer(Service):
                 current = dict(self.stores)
             parts = load_owned(directory, current, owned)
             loaded = {}
-            for name, (rows, row_meta) in parts.items():
-                loaded[name] = EmbeddingStore(current[name].config)
+            for name, (rows, row_meta) in parts.items():  # (a disk tier is taken over in _replace)
+                loaded[name] = EmbeddingStore(dataclasses.replace(current[name].config, tier=None))
                 loaded[name].insert_rows(rows, row_meta)
             dense_from = meta.get("dense_from")
             dense = DenseStore(self.dense.declared)
@@ -423,10 +426,16 @@ class EmbeddingServer(Service):
         if missing:
             raise ValueError(f"meta 'directory' {directory.path!r} has no checkpoint of tables {missing}")
         # Read (and checksum) every table before replacing any, so a bad checkpoint changes nothing.
-        loaded = {name: EmbeddingStore.load(Entry(directory, name)) for name in self.stores}
+        # A table with a disk tier is verified whole here and loaded in _replace, once its old
+        # store has let the tier go (one store at a time may hold a tier's directory).
+        with self._swap:
+            tiers = {name: {} if store.disk_tier is None else {"tier": store.config.tier}
+                     for name, store in self.stores.items()}
+        loaded = {name: (checkpoint_format.verify(Entry(directory, name)) if tier
+                         else EmbeddingStore.load(Entry(directory, name))) for name, tier in tiers.items()}
         dense = DenseStore.load(Entry(directory, DENSE_DIRECTORY), self.dense.declared)
         return self._replace(loaded, dense, lambda name, shm_name: EmbeddingStore.load(
-            Entry(directory, name), shm_name=shm_name))
+            Entry(directory, name), shm_name=shm_name, **tiers[name]))
 
     def _replace(self, loaded: dict[str, EmbeddingStore], dense: DenseStore, reopen,
                  parts: dict | None = None) -> list[str]:
@@ -436,9 +445,10 @@ class EmbeddingServer(Service):
             self.dense = dense
             for name, old in list(self.stores.items()):
                 shm_name = old.shm_name
-                if shm_name is not None:  # the restarted server must find the loaded rows
+                if shm_name is not None or old.disk_tier is not None:  # a restarted server must find the rows
                     old.close()
-                    unlink_shared(shm_name)
+                    if shm_name is not None:
+                        unlink_shared(shm_name)
                     loaded[name] = reopen(name, shm_name)
                     if parts is not None:
                         loaded[name].insert_rows(*parts[name])
@@ -561,6 +571,20 @@ def _tables_json(parser: argparse.ArgumentParser, text: str) -> dict[str, Any]:
     return tables
 
 
+def _with_tiers(parser: argparse.ArgumentParser, tables: Mapping[str, TableSpec], root: str,
+                capacity_rows: int) -> dict[str, dict[str, Any]]:
+    """Every table with a disk tier of `capacity_rows` rows in `root`/<table>, or a parser error."""
+    from hybridrec.embedding.disk_tier import table_tier_path
+    from hybridrec.embedding.table import parse_tier
+
+    try:
+        return {name: {**_table_config(name, spec).to_dict(),
+                       "tier": parse_tier({"path": table_tier_path(root, name), "capacity_rows": capacity_rows})}
+                for name, spec in tables.items()}
+    except ValueError as error:
+        parser.error(f"--tier-path/--tier-capacity: {error}")
+
+
 def _check_memory(tables: Mapping[str, TableSpec]) -> None:
     """ValueError when the tables' rows alone need more memory than this machine has."""
     need = sum(config.capacity * config.row_width * 4 for config in
@@ -590,6 +614,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
     parser.add_argument("--routed", action="store_true",
                         help="serve no bucket until a routing table is installed (a launcher's coordinator does; "
                              "hybridrec.ps.ownership), so a server restarted without its memory serves nothing stale")
+    parser.add_argument("--tier-path", metavar="DIR",
+                        help="a disk tier under every table: rows evicted from memory go to DIR/<table> with their "
+                             "optimizer state and come back at their next lookup; a restarted server finds them")
+    parser.add_argument("--tier-capacity", type=int, metavar="N", help="rows each table's disk tier may hold")
     parser.add_argument("--checkpoint-root", metavar="DIR",
                         help="checkpoint and load requests may only name directories inside DIR "
                              "(without it they are refused)")
@@ -621,6 +649,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybridrec.ps.serv
         tables.update(more)
     if not tables:
         parser.error("give at least one --table NAME:DIM:CAPACITY, --tables-json or --config")
+    if (args.tier_path is None) != (args.tier_capacity is None):
+        parser.error("--tier-path and --tier-capacity go together: the directory of the disk tiers and the rows "
+                     "each may hold")
+    if args.tier_path is not None:
+        tables = _with_tiers(parser, tables, args.tier_path, args.tier_capacity)
     # Requests run in parallel on --threads workers; torch's own pool (used by the fp16 codec)
     # would only oversubscribe the cores, so it gets one thread per worker.
     torch.set_num_threads(1)

@@ -17,6 +17,7 @@ from pathlib import Path
 from hybridrec.config import ConfigError
 from hybridrec.embedding import EmbeddingCollection
 from hybridrec.embedding.checkpoint import load as load_store, load_resharded
+from hybridrec.embedding.disk_tier import TIER_FACTS
 from hybridrec.embedding.inputs import EmbeddingInputs
 from hybridrec.strategy.placement import PlacementDefaults
 from hybridrec.strategy.placement.checkpoint_layout import local_directory, table_directories
@@ -100,9 +101,17 @@ class LocalPlacement(PlacementDefaults):
         the PS servers and the sharded placement, every shard's rows merged into one store."""
         for side, collection, table, store in list(self._tables()):
             found = table_directories(directory, side, table)
+            tier = {}
+            if store.config.tier is not None:  # the loaded store takes over the table's disk tier
+                tier = {"tier": store.config.tier}
+                store.close()
             if found == [local_directory(directory, side, table)]:
                 # the running config decides the capacity and threads; the checkpoint the rows
-                loaded = load_store(found[0], capacity=store.config.capacity, num_threads=store.config.num_threads)
+                loaded = load_store(found[0], capacity=store.config.capacity, num_threads=store.config.num_threads,
+                                    **tier)
+            elif tier:  # the memory tier keeps its capacity: the rows past it go to disk
+                loaded = load_resharded(found, 0, 1, num_threads=store.config.num_threads,
+                                        capacity=store.config.capacity, **tier)
             else:  # room for every shard's rows (load_resharded's default capacity: the shards' total)
                 loaded = load_resharded(found, 0, 1, num_threads=store.config.num_threads)
             collection.replace_store(table, loaded)
@@ -116,8 +125,10 @@ class LocalPlacement(PlacementDefaults):
                    for store in collection.stores.values() if store.config.expire_after is not None)
 
     def facts(self) -> dict:
+        tiers = {table: {k: store.stats()[k] for k in TIER_FACTS} for _, _, table, store in self._tables() if store.disk_tier is not None}
         return {"embedding_rows": {side: sum(len(s) for s in c.stores.values())
-                                   for side, c in self.collections.items()}}
+                                   for side, c in self.collections.items()},
+                **({"embedding_tiers": tiers} if tiers else {})}
 
     def close(self) -> None:
         pass

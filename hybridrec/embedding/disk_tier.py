@@ -1,0 +1,343 @@
+"""The disk tier of an embedding store: rows evicted from memory, kept in a file of our own layout.
+
+A store with a tier (`TableConfig.tier`: {path, capacity_rows}) writes each row it evicts, with
+its optimizer state, access count and clock, to the tier instead of dropping it, and takes it
+back into memory at the key's next lookup; both happen inside the store's lookup kernel
+(tier_kernels.py), one call per batch. The directory `path` holds:
+
+* `records.bin`: the records, an open-addressing hash table per memory partition (the layout is
+  tier_kernels.py's), mapped with mmap and read and written by the kernels in place;
+* `regions.bin`: int64 [1 + nparts, TP_WIDTH], a header row (magic, dirty flag) and each region's
+  bookkeeping (slots, rows, capacity, counters), mapped too, so it is current after a kill;
+* `tier.json`: the layout (row width, partitions, capacity), checked when the tier is opened
+  again: a restarted process (a PS server) finds its rows there;
+* `saved/`: the chunk files of the last checkpoint (see `save_chunks`), which checkpoints link
+  to, so a checkpoint copies only the chunks that changed since the one before;
+* `lock`: held (flock) while a process has the tier open, so that two cannot write it at once.
+
+Memory: the records are file pages. Those the kernels touch count in the process's RSS until
+they are dropped from its mapping, which `release_pages` does (madvise DONTNEED; the data stays
+in the file and the page cache) whenever the records touched since the last release could
+exceed PAGE_BUDGET bytes. The process's memory is thus the memory tier plus that fixed bound,
+whatever the size of the tier on disk.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import mmap
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from . import tier_kernels as T
+from .hashing import index_hash, scale_hi32
+
+FORMAT = "hybridrec-disk-tier"
+VERSION = 1
+_MAGIC = 0x48524454  # "HRDT"
+H_MAGIC, H_DIRTY = 0, 1  # header row of regions.bin
+PAGE_BUDGET = 32 << 20  # bytes of record pages a tier may keep mapped before it releases them
+TIER_FACTS = ("rows_in_memory", "rows_on_disk", "disk_bytes", "hit_rate", "disk_dropped")  # a job's final facts
+
+
+@njit(cache=True, nogil=True)
+def partitions_of(keys, nparts, out):
+    """The memory partition of every key (the top bits of its index hash, as the store's)."""
+    for i in range(keys.shape[0]):
+        out[i] = scale_hi32(index_hash(keys[i]), nparts) if nparts > 1 else 0
+
+
+def file_pages_bytes() -> int:
+    """Bytes of file pages mapped into this process (RssFile): the disk tiers' records and the
+    program's own files; read once per lookup call. statm's shared pages (RssFile + RssShmem) are
+    read first, a few microseconds: while they are under the budget, so is RssFile."""
+    with open("/proc/self/statm", "rb") as fh:
+        shared = int(fh.read().split()[2]) * mmap.PAGESIZE
+    if shared <= PAGE_BUDGET:
+        return shared
+    with open("/proc/self/status", "rb") as fh:
+        for line in fh:
+            if line.startswith(b"RssFile:"):
+                return int(line.split()[1]) * 1024
+    return shared
+
+
+def table_tier_path(root, table: str) -> str:
+    """The tier directory of table `table` under a job's tier root (':' of wide tables' names
+    becomes '..', as in shared-memory names)."""
+    return os.path.join(str(root), table.replace(":", ".."))
+
+
+def _region_sizes(total: int, nparts: int) -> np.ndarray:
+    sizes = np.full(nparts, total // nparts, np.int64)
+    sizes[: total % nparts] += 1
+    return sizes
+
+
+def _crc(buf) -> int:
+    return zlib.crc32(buf) & 0xFFFFFFFF
+
+
+class DiskTier:
+    """The rows of one store that are not in memory, in files under `path`.
+
+    Open it with the store's row width and number of partitions: an existing tier of the same
+    layout is opened again (its rows kept; repaired first if a process died while writing it), a
+    missing one is made. `tier` is the tuple the lookup kernel takes.
+    """
+
+    def __init__(self, path, capacity_rows: int, row_width: int, nparts: int):
+        self.path = Path(path)
+        self.capacity_rows = int(capacity_rows)
+        self.row_width = int(row_width)
+        self.nparts = int(nparts)
+        self.width = T.record_width(row_width)
+        caps = _region_sizes(self.capacity_rows, self.nparts)
+        slots = np.array([math.ceil(c / T.LOAD_FACTOR) + 1 for c in caps], np.int64)
+        self.slots = int(slots.sum())
+        self.layout = {"format": FORMAT, "version": VERSION, "row_width": self.row_width, "nparts": self.nparts,
+                       "capacity_rows": self.capacity_rows, "record_int32s": self.width}
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"tier.path: cannot make directory {str(self.path)!r} ({error.strerror})") from None
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ValueError(f"tier.path: {str(self.path)!r} is in use by another process's store; "
+                             f"give each table (and each PS server) a directory of its own") from None
+        layout_file = self.path / "tier.json"
+        existed = layout_file.is_file()
+        if existed:
+            found = json.loads(layout_file.read_text())
+            if found != self.layout:
+                self._unlock()
+                raise ValueError(f"tier.path: {str(self.path)!r} holds a disk tier of another layout ({found}); "
+                                 f"this table needs {self.layout}: use another directory or delete that one")
+        self._records = self._map("records.bin", self.slots * self.width * 4)
+        self._regions = self._map("regions.bin", (1 + self.nparts) * T.TP_WIDTH * 8)
+        self.rec32 = np.frombuffer(self._records, np.int32).reshape(self.slots, self.width)
+        self.rec64 = self.rec32.view(np.uint64)
+        self.recf = self.rec32.view(np.float32)
+        regions = np.frombuffer(self._regions, np.int64).reshape(1 + self.nparts, T.TP_WIDTH)
+        self.header, self.tparts = regions[0], regions[1:]
+        self.tdirty = np.ones(-(-self.slots // T.CHUNK_SLOTS), np.uint8)
+        self.seen = np.zeros(T.seen_words(self.capacity_rows), np.uint64)
+        self.needs_repair = False
+        if not existed or self.header[H_MAGIC] != _MAGIC:
+            self._format(caps, slots)
+            layout_file.write_text(json.dumps(self.layout))
+        else:
+            self.needs_repair = bool(self.header[H_DIRTY])
+        self.tier = (self.rec32, self.rec64, self.recf, self.tparts, self.tdirty, self.seen)
+        if existed and not self.needs_repair:  # (a repair re-writes every record, noting it)
+            T.fill_seen(self.tier)
+            self.release_pages()
+        self._file_base = file_pages_bytes()  # the process's file pages before the records are mapped in
+        self._saved: dict[int, tuple[str, int]] = {}  # chunk -> (file in saved/, crc32) of the last save
+        self._saved_dir = self.path / "saved"
+        if self._saved_dir.exists():  # left by an earlier process: what it links is unknown here
+            for stale in self._saved_dir.iterdir():
+                stale.unlink()
+        self._saved_dir.mkdir(exist_ok=True)
+        self._generation = 0
+
+    def _map(self, name: str, size: int) -> mmap.mmap:
+        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # sparse: unwritten records cost no disk
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def _format(self, caps: np.ndarray, slots: np.ndarray) -> None:
+        self.rec32[:, T.R_USED] = 0
+        self.tparts[:] = 0
+        self.tparts[:, T.TP_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
+        self.tparts[:, T.TP_SLOT_COUNT] = slots
+        self.tparts[:, T.TP_CAPACITY] = caps
+        self.header[:] = 0
+        self.header[H_MAGIC] = _MAGIC
+        self.tdirty[:] = 1
+        self.seen[:] = 0
+        self.release_pages()
+
+    # ---------------------------------------------------------------- writing state
+    def begin_write(self) -> None:
+        """Mark the tier as being written: if the process dies before `end_write`, the next
+        open repairs it (`repair`)."""
+        self.header[H_DIRTY] = 1
+
+    def end_write(self) -> None:
+        self.header[H_DIRTY] = 0
+        if file_pages_bytes() - self._file_base > PAGE_BUDGET:
+            self.release_pages()
+
+    def release_pages(self) -> None:
+        """Drop the record pages from this process's mapping (they stay in the file and the page
+        cache), so that the tiers' share of the RSS stays under PAGE_BUDGET."""
+        self._records.madvise(mmap.MADV_DONTNEED)
+
+    def repair(self, memory_keys: np.ndarray) -> None:
+        """Make the records a valid hash table again after a process died while writing them:
+        re-place every used record (a key found twice keeps one copy: a move writes the same row
+        at both places) and free the records of keys the memory tier holds (the memory tier is
+        newer: a row is written to disk before its memory row is reused, and taken into memory
+        before its record is freed)."""
+        self.header[H_DIRTY] = 1
+        copy = self.path / "records.repair"
+        shutil.copyfile(self.path / "records.bin", copy)  # the old records, read back a chunk at a time below
+        self._format(self.tparts[:, T.TP_CAPACITY].copy(), self.tparts[:, T.TP_SLOT_COUNT].copy())
+        old = np.memmap(copy, np.int32, "r", shape=(self.slots, self.width))
+        for lo in range(0, self.slots, T.CHUNK_SLOTS):
+            chunk = np.asarray(old[lo:lo + T.CHUNK_SLOTS])
+            self.insert(*records_fields(chunk[chunk[:, T.R_USED] != 0], self.row_width))
+        del old
+        copy.unlink()
+        self.remove(memory_keys)
+        self.header[H_DIRTY] = 0
+        self.needs_repair = False
+
+    # ---------------------------------------------------------------- bulk access
+    def insert(self, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, clocks: np.ndarray) -> int:
+        """Write rows for `keys` (replacing older copies); returns how many did not fit."""
+        parts = np.empty(keys.shape[0], np.int64)
+        partitions_of(keys, self.nparts, parts)
+        self.begin_write()
+        dropped = T.insert_records(self.tier, parts, np.ascontiguousarray(keys, np.uint64),
+                                   np.ascontiguousarray(rows, np.float32), np.ascontiguousarray(counts, np.int32),
+                                   np.ascontiguousarray(clocks, np.int32))
+        self.end_write()
+        return int(dropped)
+
+    def remove(self, keys: np.ndarray) -> int:
+        """Free the records of those of `keys` on disk; returns how many."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        parts = np.empty(keys.shape[0], np.int64)
+        partitions_of(keys, self.nparts, parts)
+        self.begin_write()
+        freed = T.remove_keys(self.tier, parts, keys)
+        self.end_write()
+        return int(freed)
+
+    def clear(self) -> None:
+        """Forget every row (a checkpoint is being loaded into the store)."""
+        self._format(self.tparts[:, T.TP_CAPACITY].copy(), self.tparts[:, T.TP_SLOT_COUNT].copy())
+
+    def read_ahead(self, keys: np.ndarray) -> None:
+        """Bring the home records of `keys` into the page cache (a coming batch's cold rows), so
+        that the lookup that needs them does not wait on the disk. Safe beside a lookup: it
+        only reads."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        parts = np.empty(keys.shape[0], np.int64)
+        partitions_of(keys, self.nparts, parts)
+        T.touch_pages(self.rec32, self.tparts, parts, keys)
+
+    def chunks(self):
+        """(keys, rows, counts, clocks) of the used records, a chunk of CHUNK_SLOTS records at a
+        time (so reading the whole tier needs one chunk's memory)."""
+        for lo in range(0, self.slots, T.CHUNK_SLOTS):
+            hi = min(lo + T.CHUNK_SLOTS, self.slots)
+            used = np.empty(hi - lo, np.int64)
+            n = T.gather_used(self.rec32, lo, hi, used)
+            if n:
+                yield records_fields(self.rec32[used[:n]], self.row_width)
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_chunks(self) -> list[dict]:
+        """Copy the chunks changed since the last call into `saved/` (new files: the older ones
+        stay whole for the checkpoints that link them) and return the file and CRC32 of every
+        chunk that holds rows.
+        Call it with the store's lock held: the copies are of one instant."""
+        self._generation += 1
+        record_bytes = self.width * 4
+        fd = os.open(self.path / "records.bin", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for chunk in range(self.tdirty.shape[0]):
+                lo = chunk * T.CHUNK_SLOTS
+                hi = min(lo + T.CHUNK_SLOTS, self.slots)
+                if not (self.tdirty[chunk] or chunk not in self._saved):
+                    continue
+                # read through the file, not the mapping: the copy adds no pages to the RSS
+                data = os.pread(fd, (hi - lo) * record_bytes, lo * record_bytes)
+                old = self._saved.get(chunk)
+                if np.frombuffer(data, np.int32).reshape(hi - lo, self.width)[:, T.R_USED].any():
+                    name = f"c{chunk:06d}-{self._generation}.bin"
+                    with open(self._saved_dir / name, "xb") as fh:
+                        fh.write(data)
+                    self._saved[chunk] = (name, _crc(data))
+                else:  # an empty chunk needs no file
+                    self._saved[chunk] = (None, 0)
+                self.tdirty[chunk] = 0
+                if old is not None and old[0] is not None:
+                    (self._saved_dir / old[0]).unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+        return [{"chunk": c, "file": str(self._saved_dir / name), "crc32": crc}
+                for c, (name, crc) in sorted(self._saved.items()) if name is not None]
+
+    # ---------------------------------------------------------------- introspection
+    def __len__(self) -> int:
+        return int(self.tparts[:, T.TP_SIZE].sum())
+
+    def disk_bytes(self) -> int:
+        """Bytes the records take on disk (the file is sparse: records never written take none)."""
+        return int(os.stat(self.path / "records.bin").st_blocks * 512)
+
+    def stats(self) -> dict:
+        t = self.tparts
+        lookups, hits = int(t[:, T.TP_LOOKUPS].sum()), int(t[:, T.TP_HITS].sum())
+        promoted = int(t[:, T.TP_PROMOTED].sum())
+        return {
+            "rows_on_disk": len(self),
+            "disk_capacity_rows": self.capacity_rows,
+            "disk_bytes": self.disk_bytes(),
+            "spilled": int(t[:, T.TP_SPILLED].sum()),
+            "promoted": promoted,
+            "disk_dropped": int(t[:, T.TP_DROPPED].sum()),
+            "memory_hits": hits,
+            "lookups": lookups,
+            "hit_rate": hits / (hits + promoted) if hits + promoted else 1.0,
+        }
+
+    def close(self) -> None:
+        """Write the mapped pages back and release the tier for another process."""
+        if self._lock_fd < 0:
+            return
+        self._records.flush()
+        self._regions.flush()
+        self.tier = self.rec32 = self.rec64 = self.recf = self.header = self.tparts = self.seen = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
+
+def records_fields(records: np.ndarray, row_width: int):
+    """(keys uint64, rows float32 [n, row_width], counts int32, clocks int32) of raw records."""
+    records = np.ascontiguousarray(records)
+    keys = records[:, :2].copy().view(np.uint64)[:, 0]
+    rows = records[:, T.R_ROW:T.R_ROW + row_width].copy().view(np.float32)
+    return keys, rows, records[:, T.R_COUNT].copy(), records[:, T.R_CLOCK].copy()
+
+
+def read_chunk_file(path, record_int32s: int, row_width: int, crc: int, where: str):
+    """(keys, rows, counts, clocks) of the used records of one saved chunk, its CRC32 checked."""
+    data = Path(path).read_bytes()
+    if _crc(data) != crc:
+        raise ValueError(f"checkpoint: {where} is corrupt: CRC32 {_crc(data):#010x}, the manifest says {crc:#010x}")
+    if len(data) % (record_int32s * 4):
+        raise ValueError(f"checkpoint: {where} has {len(data)} bytes, not whole records of {record_int32s * 4}")
+    records = np.frombuffer(data, np.int32).reshape(-1, record_int32s)
+    return records_fields(records[records[:, T.R_USED] != 0], row_width)
