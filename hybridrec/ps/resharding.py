@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-from hybridrec.embedding import EmbeddingStore
+from hybridrec.embedding import EmbeddingStore, checkpoint_format
 from hybridrec.embedding.buckets import NUM_BUCKETS, bucket_of
 from hybridrec.embedding.dir_handle import DirHandle, Entry
 from hybridrec.embedding.hashing import route, table_route_id
@@ -80,7 +80,10 @@ def load_owned(directory: DirHandle, current: Mapping[str, EmbeddingStore],
             route_id = table_route_id(table)
             rows, meta = [], []
             for shard, handle in enumerate(handles):
-                saved = EmbeddingStore.load(Entry(handle, table))
+                # room for the rows of the checkpoint's disk tier too, which come back into memory here
+                manifest = checkpoint_format.read_manifest(Entry(handle, table))
+                held = int(manifest["size"]) + int((manifest.get("tier") or {}).get("rows", 0))
+                saved = EmbeddingStore.load(Entry(handle, table), capacity=max(held, manifest["layout"]["capacity"]))
                 if sources is None:  # before routing: route(key, table, n) placed every key
                     keep = lambda keys, shard=shard: (route(keys, route_id, len(shards)) == shard) & owned[
                         bucket_of(keys, route_id)]
