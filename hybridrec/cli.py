@@ -20,6 +20,8 @@ BENCHMARKS = {
     "tiers": ("hybridrec.benchmarks.tiers", "a table 5x its memory tier on a disk tier vs all in memory: samples/s, "
               "peak RSS, bytes on disk, hit rate, lost rows; the store evicting vs never evicting"),
     "ps": ("hybridrec.benchmarks.ps_throughput", "PS lookup GB/s over loopback vs an in-process gather"),
+    "elastic": ("hybridrec.benchmarks.elastic", "the elastic PS tier: scale 2->3->2 and a lost PS (ps_replicas 2) while "
+                "a model trains vs the fixed job: AUC, samples/s, longest pause, lost / doubled SGD updates"),
     "hybrid": ("hybridrec.benchmarks.hybrid", "distributed jobs: sync vs hybrid vs async (or --codecs) AUC, samples/s, bytes"),
     "picasso": ("hybridrec.benchmarks.picasso", "PICASSO's ablation (sharded, +packing, +interleaving, +hot/cold) vs local "
                 "and Persia; samples/s against fields"),

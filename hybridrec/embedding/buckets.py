@@ -10,8 +10,9 @@ runs of buckets, one per server.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from hybridrec.embedding.hashing import route
+from hybridrec.embedding.hashing import route, route_one, route_salt
 
 NUM_BUCKETS = 4096
 
@@ -29,6 +30,18 @@ def static_owners(num_servers: int) -> np.ndarray:
     return (np.arange(NUM_BUCKETS, dtype=np.int64) * num_servers // NUM_BUCKETS).astype(np.int32)
 
 
+@njit(cache=True, nogil=True)
+def _shard_kernel(keys, salt, owners, out):
+    for i in range(keys.shape[0]):
+        out[i] = owners[route_one(keys[i], salt, NUM_BUCKETS)]
+
+
 def shard_of(keys: np.ndarray, table_id: int, owners: np.ndarray) -> np.ndarray:
-    """The server (an index into the routing table's servers) of each key: int64."""
-    return owners[bucket_of(keys, table_id)].astype(np.int64)
+    """The server (an index into the routing table's servers) of each key: int64, the bucket
+    and its owner in one pass."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype != np.uint64:
+        raise TypeError(f"shard_of: keys must be uint64, got {keys.dtype}")
+    out = np.empty(keys.shape[0], dtype=np.int64)
+    _shard_kernel(keys, route_salt(table_id), np.ascontiguousarray(owners, dtype=np.int32), out)
+    return out
