@@ -12,7 +12,9 @@ its rows, optimizer state, counts and clocks are compared with the in-memory sto
 `lost_rows` counts the keys that differ or are missing.
 
 RSS: each process resets its peak RSS (/proc/self/clear_refs) once its stream and its store's
-kernels are ready, and reports the peak above its RSS at that moment, before the final check.
+kernels are ready, right before it makes the store, and reports the peak above its RSS at that
+moment, before the final check: the store's memory (prefaulted, as `bench embedding` builds its
+tables) and whatever the stream adds.
 `budget_bytes` is the tiered store's memory tier (`memory_bytes`) plus the disk tier's mapped
 pages bound (disk_tier.PAGE_BUDGET) plus one batch's working arrays.
 
@@ -96,9 +98,9 @@ def run_child(spec: dict, commands, replies) -> dict:
         warm.pull(keys[:256])
         warm.push(keys[:256], grads[:256])
     warm.close()
-    store = EmbeddingStore(**fields)
-    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS counts from here
+    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS counts from here: the store's memory and more
     base = _status("VmRSS")
+    store = EmbeddingStore(**fields)
     elapsed = 0.0
     segment = spec["segment"]
     for first in range(0, len(batches), segment):

@@ -155,12 +155,22 @@ class DiskTier:
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)  # sparse: unwritten records cost no disk
-            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped.madvise(mmap.MADV_RANDOM)  # records are read one by one: no read-ahead
+            return mapped
         finally:
             os.close(fd)
 
     def _format(self, caps: np.ndarray, slots: np.ndarray) -> None:
-        self.rec32[:, T.R_USED] = 0
+        # every record unused: the file cut to nothing and grown back (sparse zeros), rather than
+        # a write to every record, which would map the whole file and allocate all of it on disk
+        size = self.slots * self.width * 4
+        fd = os.open(self.path / "records.bin", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
         self.tparts[:] = 0
         self.tparts[:, T.TP_SLOT_START] = np.concatenate([[0], np.cumsum(slots)[:-1]])
         self.tparts[:, T.TP_SLOT_COUNT] = slots
