@@ -207,6 +207,7 @@ def run(args) -> dict:
         "eviction_ratio": paired("evicting"),
         "tiered_over_in_memory": paired("tiered"),
         "rss_over_budget": tiered["rss_bytes"] / budget,
+        "lost_rows": lost,
         "distinct_keys": distinct, "memory_rows": memory_rows, "batches": args.batches,
         "batch_size": args.batch_size, "segments": len(seconds["tiered"]),
     }
@@ -215,7 +216,7 @@ def run(args) -> dict:
 def headline(report: dict) -> dict:
     """The figures of the results table: the tiered and evicting stores against never evicting."""
     return pick(report, {"tiered / in memory": "tiered_over_in_memory", "evicting / in memory": "eviction_ratio",
-                         "tiered RSS / budget": "rss_over_budget", "lost rows": "tiered.lost_rows"})
+                         "tiered RSS / budget": "rss_over_budget", "lost rows": "lost_rows"})
 
 
 def main(argv: list[str] | None = None) -> dict:
