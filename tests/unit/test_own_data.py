@@ -93,7 +93,7 @@ def test_eval_scores_other_data_and_refuses_only_what_changes_the_model_naming_t
     other["data"]["test_path"] = str(new)
     path = tmp_path / "other.yaml"
     path.write_text(yaml.safe_dump(other))
-    assert main(["eval", str(path), "--checkpoint", str(run_tmp / "run")]) == 0
+    assert main(["eval", str(path), "--checkpoint", str(run_tmp / "run"), "--json"]) == 0
     scored = json.loads(capsys.readouterr().out)
     assert scored["count"] == 300 and scored["auc"] > 0.6
     other["data"]["schema"]["categorical"] = ["city", "device", "plan"]
