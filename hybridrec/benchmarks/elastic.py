@@ -144,6 +144,9 @@ def median_report(runs: list[dict]) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     task = Task(args)
+    warm = argparse.Namespace(**{**vars(args), "steps": 3 * WARMUP})
+    for job in JOBS[1:]:  # numba compiles the kernels of moves and failovers once per process: not in a timed job
+        run_job(job, Task(warm), warm)
     runs = {job: [] for job in JOBS}
     for _ in range(args.runs):  # the jobs interleaved within each round, so load drifts hit them alike
         for job in JOBS:

@@ -156,9 +156,9 @@ class Coordinator:
             self._install(wider, joining, assume=True)  # they own nothing yet: they know their slot
             self._install(wider, self.table.addresses, assume=False)
             self._move_all(target)
+            self.metrics.scale_events += 1
             final = compact(self.table)
             self._install(final, target.addresses, assume=False)
-            self.metrics.scale_events += 1
             self.log(f"scale done: routing version {final.version}, {self.metrics.buckets_moved} buckets and "
                      f"{self.metrics.bytes_moved} bytes moved so far, longest pause {self.metrics.longest_pause_s:.3f}s")
             return final
