@@ -1,5 +1,5 @@
-"""The `hybridrec` command: train, eval, export, predict, serve, data synth, models, plan, bench,
-serve-ps, embedding-worker, group-ps, launch, scale.
+"""The `hybridrec` command: train, eval, export, predict, serve, data synth, models, calibrate,
+plan, bench, serve-ps, embedding-worker, group-ps, launch, scale.
 
 Each subcommand parses its own arguments and calls one function of the library; errors a
 user can fix (a `UserError`: bad config, data that does not fit its reader, missing file) are

@@ -245,7 +245,8 @@ def print_report(result: dict) -> None:
               f"{projection['predicted_runs']} runs")
     for name, paper in (projection.get("papers") or {}).items():
         print(f"paper {name}: projected {paper['projected']:.2f}x on {paper['cluster']} "
-              f"(paper: {paper['reported']}; direction {'reproduced' if paper['direction_reproduced'] else 'not reproduced'})")
+              f"(paper: {paper['reported']}; direction "
+              f"{'reproduced' if paper['direction_reproduced'] else 'not reproduced'})")
     for setting, met in result.get("targets", {}).items():
         print(f"targets {setting}: " + ", ".join(f"{n} {'met' if ok else 'missed'}" for n, ok in met.items()))
 

@@ -83,7 +83,8 @@ def job_of(config: str, overrides: list[str], dense_overrides: list[str], strate
     from hybridrec.costs.calibrate import dense_key
 
     cfg = load_config(config, overrides)
-    return Job(dense_key(config, dense_overrides), trainers, cfg.data.batch_size, keys_per_sample(cfg), float(bytes_per_sample or 0.0),
+    return Job(dense_key(config, dense_overrides), trainers, cfg.data.batch_size, keys_per_sample(cfg),
+               float(bytes_per_sample or 0.0),
                busiest_share, OVERLAPS[(strategy, side)])
 
 

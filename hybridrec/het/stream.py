@@ -6,9 +6,12 @@ current one trains, and a reader thread runs the next batch's read (its write-ba
 clock checks: one request per PS shard, two when a clock check failed) while the current one
 trains, as HET's prefetch does (`HetWorker.begin`); the training thread only gathers the rows
 from the cache, after the previous batch's write. When the next batch's keys do not fit a cache
-beside the training batch's rows, its read waits for the write instead. The cache lives as long as the job (`HetTrainer`): `drain`
-(before every evaluation and checkpoint, and at the end of each epoch) flushes it, writing every
-accumulated gradient back, so a checkpoint holds every update and nothing is lost. A trainer that
+beside the training batch's rows, or s = 0, its read waits for the write instead.
+
+The cache lives as long as the job (`HetTrainer`): `drain` (before every evaluation and
+checkpoint, and at the end of each epoch) waits for the read in flight, then flushes the cache,
+writing every accumulated gradient back, so a checkpoint holds every update and nothing is lost
+(the batch read ahead is read again after the flush). A trainer that
 dies loses only what its cache held unflushed; the restarted group resumes from the last
 checkpoint, which has it all.
 

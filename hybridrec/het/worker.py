@@ -128,7 +128,8 @@ class HetWorker:
                     rows = rows_of[stale]
                     dirty = np.flatnonzero(cache.cc[rows] > cache.cs[rows])
                     w_keys, w_clocks, w_grads = cache.take(rows[dirty])
-                    taken_clocks, taken_grads = np.zeros(len(rows), np.int64), np.zeros((len(rows), cache.dim), np.float32)
+                    taken_clocks = np.zeros(len(rows), np.int64)
+                    taken_grads = np.zeros((len(rows), cache.dim), np.float32)
                     taken_clocks[dirty], taken_grads[dirty] = w_clocks, w_grads
                     empty = np.empty(0, np.uint64)
                     second[table] = (TableSync(w_keys, w_clocks, w_grads, keys_by_table[table][stale], empty,
