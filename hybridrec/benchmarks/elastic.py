@@ -126,7 +126,7 @@ def run_job(job: str, task: Task, args: argparse.Namespace) -> dict:
     durations, busy = np.array(durations)[WARMUP:], np.array(busy)[WARMUP:]  # the first steps compile kernels
     steady = durations[~busy]
     return {"auc": float(roc_auc(test_labels, 1 / (1 + np.exp(-scores)))),
-            "samples_per_s": float(args.batch / np.median(steady)),
+            "samples_per_s": float(args.batch / np.median(steady)) if len(steady) else None,
             "samples_per_s_during_events": float(args.batch / np.median(durations[busy])) if busy.any() else None,
             "max_pause_s": float(durations.max()), "lost_updates": int(lost.sum()),
             "doubled_updates": int((wrong & ~lost).sum()), "buckets_moved": coordinator.metrics.buckets_moved,
