@@ -82,10 +82,7 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
         supervisor = Supervisor(plan.roles, out=out, grace=grace, writer=relay)
         supervisor.on_teardown.append(relay.close)
         supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
-        if elastic:
-            control = ScaleControl(cfg, plan, supervisor, tables, job=plan.job)
-            control.start()
-            supervisor.on_teardown.insert(0, control.stop)
+        control = ScaleControl(cfg, plan, supervisor, tables, job=plan.job) if elastic else None
         servers = "".join(f"{count} {what} ({', '.join(addresses)}), " for count, what, addresses in (
             (ps, "PS", plan.ps_addresses), (embedding_workers, "embedding worker(s)", plan.embedding_worker_addresses),
             (len(plan.group_ps_addresses), "group PS(s)", plan.group_ps_addresses)) if count)
@@ -93,7 +90,13 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
         remove_dead_jobs_shared_memory(supervisor.log)  # after the job line: tools read that one first
         if hosts is not None:
             hosts.announce(supervisor.log)
-        code = supervisor.run(timeout)
+        if control is not None:
+            control.start()
+        try:
+            code = supervisor.run(timeout)
+        finally:
+            if control is not None:
+                control.stop()
     if code != 0:
         print(f"hybridrec launch: {supervisor.reason}", file=sys.stderr, flush=True)
     return code

@@ -73,6 +73,7 @@ class ScaleControl:
         self._started = threading.Event()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._made_dir = False
         self.transport = Server({"scale": Operation(self._scale), "status": Operation(self._status)},
                                 host="127.0.0.1", port=0, threads=2, key=None)
         self._watcher = threading.Thread(target=self._watch, name="ps-control", daemon=True)
@@ -86,6 +87,7 @@ class ScaleControl:
 
     def start(self) -> None:
         self.transport.start()
+        self._made_dir = not self.output_dir.exists()  # removed again at stop if the job left it empty
         self.output_dir.mkdir(parents=True, exist_ok=True)
         temporary = self.output_dir / f".{CONTROL_FILE}.{os.getpid()}"
         temporary.write_text(json.dumps({"address": self.transport.address, "job": self.job, "pid": os.getpid()}))
@@ -93,11 +95,16 @@ class ScaleControl:
         self._watcher.start()
 
     def stop(self) -> None:
+        """Stop the channel and the watcher and remove control.json (once; later calls do nothing)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.transport.stop(5)
         self._watcher.join(10)
         self.coordinator.close()
         (self.output_dir / CONTROL_FILE).unlink(missing_ok=True)
+        if self._made_dir and not any(self.output_dir.iterdir()):
+            self.output_dir.rmdir()
 
     # ---------------------------------------------------------------- watching
     def _pids(self) -> dict[str, int]:
