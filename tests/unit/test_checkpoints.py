@@ -94,7 +94,7 @@ def test_half_written_checkpoints_of_a_killed_run_are_removed_by_the_next(run_di
 
 def test_eval_uses_the_saved_config_and_refuses_one_that_builds_another_model(run_dir, capsys):
     final = json.loads((run_dir / "run" / "final_metrics.json").read_text())
-    assert main(["eval", "--checkpoint", str(run_dir / "run")]) == 0  # no config: the saved one
+    assert main(["eval", "--checkpoint", str(run_dir / "run"), "--json"]) == 0  # no config: the saved one
     assert json.loads(capsys.readouterr().out)["auc"] == final["auc"]
     other = Path(job(run_dir)).read_text().replace("embedding_dim: 4", "embedding_dim: 8")
     (run_dir / "other.yaml").write_text(other)
