@@ -247,8 +247,11 @@ def test_valid_path_and_valid_fraction_exclude_each_other(tmp_path):
 def test_hybridrec_models_prints_every_models_hyper_parameters_with_defaults(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
+    lines = out.splitlines()
+    # the last line says how to name a model of one's own instead
+    assert lines[-1].startswith("A model of your own: model.name 'package.module:Factory'")
     blocks = {}
-    for line in out.splitlines()[1:]:
+    for line in lines[1:-1]:
         if not line.startswith(" "):
             current = line.split(":")[0]
             blocks[current] = []
