@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], "{train,eval,export,predict,serve,data,models,calibrate,plan,bench,serve-ps,embedding-worker,group-ps,launch}"),
+    ([], "{train,eval,export,predict,serve,data,models,calibrate,plan,bench,serve-ps,embedding-worker,group-ps,launch,scale}"),
     (["export"], "--precision"),
     (["predict"], "--data"),
     (["serve"], "--batch-wait-ms"),
