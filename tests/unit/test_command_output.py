@@ -71,6 +71,11 @@ def test_the_strategy_and_the_summary_name_staleness_alike_for_every_strategy():
 def test_compiling_a_kernel_is_said_once_per_process(monkeypatch, capsys):
     from numba.core import event
 
+    # an announcer an earlier in-process command installed (a launch, say) stops listening while
+    # this test installs its own, and listens again after it
+    previous = kernel_cache._announcer
+    if previous is not None:
+        event.unregister("numba:compile", previous)
     monkeypatch.setattr(kernel_cache, "_announcer", None)
     kernel_cache.announce_compilation("hybridrec test")
     try:
@@ -88,6 +93,8 @@ def test_compiling_a_kernel_is_said_once_per_process(monkeypatch, capsys):
         assert kernel_cache.compiled_kernels() == 2
     finally:
         event.unregister("numba:compile", kernel_cache._announcer)
+        if previous is not None:
+            event.register("numba:compile", previous)
 
 
 def test_tensorboard_missing_names_the_extra_that_installs_it(tmp_path, monkeypatch, capsys):
