@@ -146,9 +146,14 @@ def _worker(rank: int, size: int, port: int, jobs: list, out: str) -> None:
             held = sorted(table for collection in _last_placement[0].collections.values()
                           for table in collection.stores)
             records.append({"result": result, "logits": logits, "collectives": log[start:], "tables": held})
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(records))
+    # every job's collectives have returned on both ranks and the results are written: the worker
+    # leaves without the interpreter's teardown, in which a rank aborted once ("terminate called
+    # without an active exception", SIGABRT) after its peer had gone
+    os._exit(0)
 
 
 def _free_port() -> int:
