@@ -187,8 +187,15 @@ def _worker(rank: int, port: int, out):
             torch.distributed.all_reduce(total)
             out.put((codec, rank, averaged.numpy(), (total / 2).numpy(), hook.state.bytes_sent,
                      hook.state.raw_bytes, hook.state.steps))
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    out.close()
+    out.join_thread()  # the results are in the pipe
+    # every collective has returned on both ranks: the worker leaves without the interpreter's
+    # teardown, in which a gloo rank has aborted (SIGABRT, "terminate called without an active
+    # exception") after its peer had gone
+    os._exit(0)
 
 
 def _free_port() -> int:
