@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from hybridrec.benchmarks.results import pick
-from hybridrec.benchmarks.timing import positive_int
+from hybridrec.benchmarks.timing import number_above, positive_int
 from hybridrec.metrics import auc as roc_auc
 from hybridrec.ps import PSClient, serve
 from hybridrec.ps.migration import Coordinator
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fields", type=positive_int, default=8, help="categorical fields (default 8)")
     parser.add_argument("--vocab", type=positive_int, default=5000, help="ids per field (default 5000)")
     parser.add_argument("--test-rows", type=positive_int, default=20_000, help="held-out rows (default 20000)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--lr", type=number_above(0.0), default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--runs", type=positive_int, default=3, help="runs of each job; medians reported (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
