@@ -3,9 +3,13 @@ scale RUN --ps N`, and failover to the backups when a PS server is lost.
 
 The launcher of a job whose tables live on PS servers runs a `ScaleControl`: a coordinator
 (`hybridrec.ps.migration`) over the job's servers and a control channel, a transport server on
-loopback only (without a key: whoever may run processes on this machine may scale the job)
-whose address it writes to `<train.output_dir>/control.json`.
-`hybridrec scale RUN --ps N` reads that file and asks for N servers: new ones are started as
+loopback whose address it writes to `<train.output_dir>/control.json`. The channel
+authenticates with the job key, as the job's PS servers do (`hybridrec.comm.auth`): the
+launcher writes the key beside control.json into `control.key`, a file only its owner may read
+(mode 0600, as Jupyter keeps a kernel's key in its connection file), so only the user who
+launched the job (or root) can rescale it; a job launched with `--no-job-key` has a keyless
+channel and no key file.
+`hybridrec scale RUN --ps N` reads those files and asks for N servers: new ones are started as
 roles of the launcher's supervisor (on the next free index and port) and buckets move to them
 while training runs; for fewer, buckets move off the last servers, which are retired once the
 clients had `DRAIN_SECONDS` to learn the new table (until then they answer with it).
@@ -30,13 +34,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from hybridrec.comm.auth import key_from_environment
+from hybridrec.comm.auth import HOW_TO, AuthError, JobKey, key_from_environment, read_key_file
 from hybridrec.comm.transport import Client, Message, Operation, Server
 from hybridrec.errors import UserError
 from hybridrec.parallel.host import dial_host, free_ports, ps_shm_name
 from hybridrec.parallel.supervisor import Role, Supervisor
 
 CONTROL_FILE = "control.json"
+KEY_FILE = "control.key"  # the job key, mode 0600, while a keyed job runs
 DRAIN_SECONDS = 5.0  # a server scaled away keeps answering with the new table this long
 READY_SECONDS = 180.0
 MAX_PS = 64
@@ -64,7 +69,7 @@ class ScaleControl:
         self.cfg, self.plan, self.supervisor, self.job = cfg, plan, supervisor, job
         self.replicas = cfg.strategy.ps_replicas
         env = next((role.env for role in plan.roles if role.env is not None), None)
-        self.key = key_from_environment(env) if env is not None else None
+        self.key = key_from_environment(env)  # None (roles inheriting ours): the one ours configures, if any
         self.output_dir = Path(cfg.train.output_dir).resolve()
         self.roles = {f"ps{i}": role for i, role in enumerate(plan.roles[:len(plan.ps_addresses)])}
         self.addresses = {f"ps{i}": a for i, a in enumerate(plan.ps_addresses)}
@@ -75,7 +80,7 @@ class ScaleControl:
         self._stop = threading.Event()
         self._made_dir = False
         self.transport = Server({"scale": Operation(self._scale), "status": Operation(self._status)},
-                                host="127.0.0.1", port=0, threads=2, key=None)
+                                host="127.0.0.1", port=0, threads=2, key=self.key)
         self._watcher = threading.Thread(target=self._watch, name="ps-control", daemon=True)
 
     @staticmethod
@@ -89,9 +94,11 @@ class ScaleControl:
         self.transport.start()
         self._made_dir = not self.output_dir.exists()  # removed again at stop if the job left it empty
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        temporary = self.output_dir / f".{CONTROL_FILE}.{os.getpid()}"
-        temporary.write_text(json.dumps({"address": self.transport.address, "job": self.job, "pid": os.getpid()}))
-        os.replace(temporary, self.output_dir / CONTROL_FILE)
+        info = {"address": self.transport.address, "job": self.job, "pid": os.getpid()}
+        if self.key is not None:
+            _write_private(self.output_dir / KEY_FILE, self.key.secret + "\n")
+            info["key_file"] = KEY_FILE
+        _write_private(self.output_dir / CONTROL_FILE, json.dumps(info))
         self._watcher.start()
 
     def stop(self) -> None:
@@ -103,6 +110,7 @@ class ScaleControl:
         self._watcher.join(10)
         self.coordinator.close()
         (self.output_dir / CONTROL_FILE).unlink(missing_ok=True)
+        (self.output_dir / KEY_FILE).unlink(missing_ok=True)
         if self._made_dir and not any(self.output_dir.iterdir()):
             self.output_dir.rmdir()
 
@@ -207,6 +215,16 @@ class ScaleControl:
             self.addresses.pop(name, None)
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `path` whole (a reader sees the old file or the new one) with mode 0600."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
 def _emulated(role: Role) -> bool:
     return "hybridrec.cli" not in role.argv[:4]
 
@@ -224,17 +242,29 @@ def _with_argv(role: Role, argv: list[str], name: str | None = None) -> Role:
     return replace(role, argv=argv, name=name or role.name)
 
 
-def control_address(run: str | Path) -> str:
-    """The control channel of the job running in `run` (its train.output_dir), or UserError."""
+def control_channel(run: str | Path) -> tuple[str, JobKey | None]:
+    """The address of the control channel of the job running in `run` (its train.output_dir)
+    and the job key it takes (None: a job launched with --no-job-key), or UserError."""
     path = Path(run) / CONTROL_FILE
     try:
         info = json.loads(path.read_text())
-        return str(info["address"])
+        address, key_file = str(info["address"]), info.get("key_file")
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; RUN must be the train.output_dir of a job running under "
                         "`hybridrec launch` (its launcher writes control.json there)") from None
-    except (ValueError, KeyError, TypeError):
+    except PermissionError:
+        raise UserError(f"{path}: permission denied; only the user who launched the job can scale it") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"{path}: not a control file of hybridrec launch") from None
+    if key_file is None:
+        return address, None
+    if not isinstance(key_file, str) or Path(key_file).name != key_file:
+        raise UserError(f"{path}: key_file must name a file beside it, got {key_file!r:.80}")
+    try:
+        return address, read_key_file(Path(run) / key_file)
+    except AuthError as error:  # unreadable, or readable by others
+        why = str(error).replace(f"; {HOW_TO}", "")
+        raise UserError(f"hybridrec scale {run}: {why}; only the user who launched the job can scale it") from None
 
 
 def scale(run: str | Path, ps: int, *, timeout: float = 3600.0) -> dict:
@@ -242,12 +272,14 @@ def scale(run: str | Path, ps: int, *, timeout: float = 3600.0) -> dict:
     moved (`hybridrec scale RUN --ps N`)."""
     from hybridrec.comm.transport import RemoteError
 
-    address = control_address(run)
-    with Client(address, timeout=timeout, retries=0, key=None) as client:
+    address, key = control_channel(run)
+    with Client(address, timeout=timeout, retries=0, key=key) as client:
         try:
             return client.request("scale", meta={"ps": ps}).meta
         except RemoteError as error:
             raise UserError(f"hybridrec scale {run} --ps {ps}: {error.message}") from None
+        except AuthError as error:
+            raise UserError(f"hybridrec scale {run}: the launcher at {address} refused this key ({error})") from None
         except TimeoutError:
             raise UserError(f"hybridrec scale {run}: the launcher at {address} did not answer within "
                             f"{timeout:g}s (is the job still running?)") from None
