@@ -73,6 +73,11 @@ class ConnectionLost(TimeoutError):
         self.handshake = handshake
 
 
+class ConnectionRefused(ConnectionLost):
+    """Nothing listened at the server's address when the client connected (`receive` with
+    `fail_fast`): the request never reached a server."""
+
+
 class ProtocolError(ValueError):
     """A message that does not follow the wire format."""
 
@@ -290,9 +295,12 @@ class Client:
             raise RequestTooLarge(f"{op} to {self.address}: the request of {size} bytes is larger than this "
                                   f"server's limit of {self._limit} bytes; send fewer keys or arrays per request")
 
-    def receive(self, request_id: int, timeout: float | None = None) -> Message:
+    def receive(self, request_id: int, timeout: float | None = None, *, fail_fast: bool = False) -> Message:
         """The reply to `request_id`; TimeoutError (socket recreated) if none comes in time,
-        AuthError (socket recreated) when the server refuses the handshake.
+        AuthError (socket recreated) when the server refuses the handshake. With `fail_fast`, a
+        connection refused (nothing listens at the address: the server is gone) raises
+        ConnectionRefused at once instead of waiting for the server to come back; a slow server
+        still gets the whole timeout.
 
         Replies may arrive in any order (the server runs requests on several threads): a
         reply to another pending request is kept until that one is received.
@@ -310,7 +318,12 @@ class Client:
             if self._socket not in ready:
                 if self._monitor in ready:
                     event = recv_monitor_message(self._monitor)
-                    if self._refused(event):
+                    if event["event"] & (zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED):
+                        if not (fail_fast and self._nobody_listens(event)):
+                            continue  # a connection attempt: the server may come (back) within the timeout
+                        error = ConnectionRefused(f"{self.address} refused the connection: nothing listens there "
+                                                  "(the server is gone)")
+                    elif self._refused(event):
                         error = _handshake_error(self.address, self.key, event)
                     else:  # the server stopped, or a restarting one broke a handshake off: worth another attempt
                         error = ConnectionLost(f"the connection to {self.address} closed before the reply "
@@ -328,6 +341,13 @@ class Client:
             if header["id"] in self._pending:
                 self._early[header["id"]] = (header, frames)
             # otherwise: a reply to a request abandoned before a reconnect, dropped
+
+    def _nobody_listens(self, event: dict[str, Any]) -> bool:
+        """Whether a monitor event says the connection was refused with no later attempt connected."""
+        connected = False
+        while self._monitor.poll(0):
+            connected = connected or recv_monitor_message(self._monitor)["event"] == zmq.EVENT_CONNECTED
+        return event["event"] == zmq.EVENT_CONNECT_RETRIED and not connected
 
     def _refused(self, event: dict[str, Any]) -> bool:
         """Whether a monitor event means the server will not talk to this client's key (and not
@@ -361,17 +381,18 @@ class Client:
 
     def request(self, op: str, arrays: dict[str, np.ndarray] | None = None,
                 meta: dict[str, Any] | None = None, *, idempotent: bool = False,
-                timeout: float | None = None, retries: int | None = None) -> Message:
+                timeout: float | None = None, retries: int | None = None, fail_fast: bool = False) -> Message:
         """Send a request and wait for its reply, retrying after timeouts if `idempotent`.
 
         `retries` overrides the client's retry count for this call. A non-idempotent request
         that times out raises TimeoutError: it may or may not have been applied by the server.
+        `fail_fast`: a refused connection ends the wait at once (see `receive`).
         """
         attempts = 1 + ((self.retries if retries is None else retries) if idempotent else 0)
         for attempt in range(attempts):
             request_id = self.send(op, arrays, meta)
             try:
-                return self.receive(request_id, timeout)
+                return self.receive(request_id, timeout, fail_fast=fail_fast)
             except TimeoutError as error:
                 if attempt + 1 == attempts:
                     raise type(error)(
@@ -388,7 +409,8 @@ class Client:
         self._socket.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))  # a send never blocks for good
         if self.key is not None:
             self.key.secure_client(self._socket)
-        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
+                                                        | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)

@@ -6,7 +6,11 @@ by the newest routing table the client has seen (`hybridrec.ps.routing`; at firs
 table over `addresses`), sent to every server at once (one socket per server: send all, then
 receive all) and the rows are put back in the caller's key order. A server that no longer
 serves some bucket of a request answers with its newer table instead; the client takes it and
-sends those keys again (`_routed`), so servers may be added, removed or lost while it runs. Gradients of equal keys are summed before they leave. Rows and
+sends those keys again (`_routed`), so servers may be added, removed or lost while it runs.
+With replication a server whose connection closes, or is refused (nothing listens there any
+more), is taken for lost at once, not after the timeout: its requests go to whichever server the
+newest table names, as soon as the coordinator has promoted the backups; a server that is only
+slow keeps the whole timeout. Gradients of equal keys are summed before they leave. Rows and
 gradients travel with the job's value codec ("none" or "fp16"). `lookup_tables` and
 `push_tables` carry every table of a batch in one request per shard (`lookup`/`push` are the
 one-table case). Lookups, stats, checkpoint, load, ping and dense init/pull are retried after
@@ -102,7 +106,7 @@ def _check_keys(keys: np.ndarray, what: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(keys)
 
 
-REFRESH_TIMEOUT = 2.0  # seconds a server gets to answer a routing refresh (a lost one must not hold it up)
+REFRESH_TIMEOUT = 2.0  # seconds a live server gets to answer a routing refresh (a gone one answers at once)
 
 
 class PSClient:
@@ -130,6 +134,7 @@ class PSClient:
         self._dims: dict[str, int] = {}
         self.bytes_sent = self.bytes_received = 0  # array payload of embedding lookups and pushes
         self.redirects = self.routing_changes = 0  # requests sent again; routing tables taken
+        self._asked_routing = False  # whether the servers were asked for their table (a replicated job's)
 
     @property
     def num_shards(self) -> int:
@@ -177,8 +182,9 @@ class PSClient:
         """Ask every server this client knows of for its routing table and keep the newest;
         True when it is newer than the one held. A server that does not answer is passed over."""
         known = list(dict.fromkeys([*self.routing.addresses, *self.addresses]))
-        newest = self.routing
-        replies = self._each([(self._client(a), "routing", {}, {}) for a in known], timeout=REFRESH_TIMEOUT)
+        newest, self._asked_routing = self.routing, True
+        replies = self._each([(self._client(a), "routing", {}, {}) for a in known], timeout=REFRESH_TIMEOUT,
+                             fail_fast=True)  # a server gone holds no table: not waited for
         for address, reply in zip(known, replies):
             if isinstance(reply, Message):
                 table = RoutingTable.from_wire(reply.arrays, reply.meta)
@@ -194,9 +200,10 @@ class PSClient:
             self._connections[address] = Client(address, timeout=self.timeout, retries=self.retries, key=self._key)
         return self._connections[address]
 
-    def _each(self, requests: list, timeout: float | None = None) -> list:
+    def _each(self, requests: list, timeout: float | None = None, fail_fast: bool = False) -> list:
         """Send every (client, op, arrays, meta), then collect each reply or the exception that
-        ended its wait (one server failing does not lose the others' replies)."""
+        ended its wait (one server failing does not lose the others' replies). `fail_fast`: a
+        server nothing listens for any more answers ConnectionRefused at once (`Client.receive`)."""
         pending = []
         for client, op, arrays, meta in requests:
             try:
@@ -209,7 +216,7 @@ class PSClient:
                 replies.append(request_id)
                 continue
             try:
-                replies.append(client.receive(request_id, timeout))
+                replies.append(client.receive(request_id, timeout, fail_fast=fail_fast))
             except (TimeoutError, OSError) as error:
                 replies.append(error)
         return replies
@@ -269,6 +276,8 @@ class PSClient:
         it), so it is applied exactly once; without a backup it is sent again only when the lost
         server has left the routing table (it had handed every bucket on, so it applied nothing
         after that), else the error is raised."""
+        if not self._asked_routing:  # a replicated table may place buckets as the static one does:
+            self.refresh_routing()  # only asking tells this client that a lost server has backups
         pending = [np.arange(len(k), dtype=np.int64) for k in unique_keys]
         resend: list[tuple[list[tuple[int, np.ndarray]], dict, dict]] = []  # lost pushes: parts, arrays, meta
         deadline, delay = time.monotonic() + self.reroute_timeout, 0.005
@@ -297,7 +306,7 @@ class PSClient:
             requests = [(self._client(self.routing.addresses[s]), op, arrays, part_meta)
                         for s, _, arrays, part_meta in batch]
             self.bytes_sent += sum(a.nbytes for _, _, arrays, _ in requests for a in arrays.values())
-            replies = self._each(requests)
+            replies = self._each(requests, fail_fast=self.routing.replicated)  # a lost server's backup takes over
             again: list[list[np.ndarray]] = [[] for _ in tables]
             newer, lost = False, None
             for (s, parts, arrays, part_meta), reply in zip(batch, replies):

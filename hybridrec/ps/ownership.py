@@ -38,6 +38,7 @@ Operations (added to the server's):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -138,6 +139,32 @@ def rows_message(stores: Mapping[str, EmbeddingStore], tables: Sequence[str],
         arrays[f"{i}.rows"], arrays[f"{i}.meta"] = rows, meta
         nbytes += rows.nbytes + meta.nbytes
     return arrays, nbytes
+
+
+def warm_move_kernels(stores: Mapping[str, EmbeddingStore]) -> None:
+    """Run what a bucket move, a forward and a push do once, on a small scratch copy of one of
+    `stores`' tables, so that numba compiles their kernels (or loads them from its cache) before
+    the server reports ready: a new server's first import, which happens while its buckets are
+    served by nobody, must not wait for a compile (a cold cache takes seconds to a minute). The
+    kernels are typed by the arrays' dtypes, which every table shares."""
+    if not stores:
+        return
+    name, store = next(iter(stores.items()))
+    config = dataclasses.replace(store.config, capacity=max(256, 8 * store.config.num_threads), tier=None,
+                                 expire_after=None, prefault=False, admit_probability=1.0, admit_min_frequency=1)
+    scratch = EmbeddingStore(config)
+    try:
+        keys = np.arange(1, 65, dtype=np.uint64)
+        scratch.lookup(keys)
+        scratch.push(keys, np.zeros((len(keys), config.dim), np.float32))
+        half = lambda table_keys: bucket_of(table_keys, table_route_id(name)) % 2 == 0  # noqa: E731
+        rows, meta = scratch.rows_where(half)
+        scratch.remove_where(half)
+        scratch.insert_rows(rows, meta)
+        scratch.rows_of(keys)
+        scratch.lookup(keys, insert=False)
+    finally:
+        scratch.close()
 
 
 class BucketOwnership:

@@ -9,8 +9,9 @@ primary's rows of every key ever pushed. A failover (the primary lost, `Coordina
 therefore loses no acknowledged update. Keys only ever looked up, never pushed, are not
 forwarded: the backup makes them again with the same first value (a row's first value depends
 only on the table's seed and the key), on a lookup or on a push (with replication a push makes
-the rows it does not find, where an unreplicated server drops their update). When a backup does not answer, the primary acknowledges
-alone; the coordinator sees the lost server and gives the buckets a new backup.
+the rows it does not find, where an unreplicated server drops their update). When a backup does not answer (it
+refuses the connection: gone; or it times out), the primary acknowledges alone; the coordinator
+sees the lost server and gives the buckets a new backup.
 
 Exactly once. Every push carries an id (client, sequence); a server remembers the ids it
 applied, and a backup the ids of the pushes forwarded to it (`AppliedPushes`). A client whose
@@ -124,7 +125,7 @@ class Replication:
                 arrays[f"{i}.rows"], arrays[f"{i}.meta"] = rows, meta
             request = {"tables": names, **({} if pushed is None else {"push_id": list(pushed)})}
             try:
-                self._client(table.addresses[backup]).request("replica_put", arrays, request)
+                self._client(table.addresses[backup]).request("replica_put", arrays, request, fail_fast=True)
                 self.counts["forwarded"] += 1
             except (TimeoutError, OSError, RuntimeError):  # the backup is lost: the coordinator replaces it
                 self.counts["forward_failures"] += 1

@@ -81,7 +81,7 @@ from hybridrec.ps.client import part_arrays, split_parts
 from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
-from hybridrec.ps.ownership import BucketOwnership, parse_mask
+from hybridrec.ps.ownership import BucketOwnership, parse_mask, warm_move_kernels
 from hybridrec.ps.replication import Replication, push_id
 from hybridrec.ps.resharding import ROUTING_FILE, load_owned
 
@@ -475,8 +475,9 @@ def serve(host: str = "127.0.0.1", port: int = 0, tables: Mapping[str, TableSpec
     """
     key = server_key(host, key)
     state_dir = None if shm_prefix is None else shm_path(routing_state_name(shm_prefix))
-    server = EmbeddingServer(open_stores(tables or {}, shm_prefix), host=host, port=port,
-                             threads=threads, key=key, state_dir=state_dir, **limits)
+    stores = open_stores(tables or {}, shm_prefix)
+    warm_move_kernels(stores)  # before it listens: a first bucket import must not wait for a compile
+    server = EmbeddingServer(stores, host=host, port=port, threads=threads, key=key, state_dir=state_dir, **limits)
     server.start()
     if block:
         run_until_stopped(server)

@@ -72,7 +72,8 @@ def test_many_table_lookups_and_pushes_equal_one_table_at_a_time(shard_pairs, mo
     with PSClient(many_addresses, max_keys_per_request=max_keys) as many, \
             PSClient(one_addresses, max_keys_per_request=max_keys) as one:
         for name in TABLES:
-            many.dim(name), one.dim(name)  # the dim pings are not what is counted below
+            many.dim(name), one.dim(name)  # the dim pings are not what is counted below,
+        many.refresh_routing()  # nor the routing tables a client asks for before its first request
         expected = {name: one.lookup(name, keys) for name, (keys, _) in data.items()}
         sent = count_requests(monkeypatch)
         rows = many.lookup_tables({name: keys for name, (keys, _) in data.items()})

@@ -11,7 +11,7 @@ import zmq
 
 from hybridrec.comm.auth import JobKey
 from hybridrec.comm.transport import (
-    Client, Message, Operation, RemoteError, Server, encode_frames, request_all,
+    Client, ConnectionRefused, Message, Operation, RemoteError, Server, encode_frames, request_all,
 )
 from helpers import raw_request
 
@@ -140,6 +140,21 @@ def test_non_idempotent_request_to_a_down_server_times_out_without_retry():
     with Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.2, retries=5) as client:
         with pytest.raises(TimeoutError, match="1 attempt.*may or may not have been applied"):
             client.request("sum", {"keys": np.array([1], np.uint64)})
+
+
+def test_fail_fast_takes_a_refused_connection_for_a_gone_server_but_waits_for_a_slow_one():
+    gone = f"tcp://127.0.0.1:{free_port()}"
+    with Client(gone, timeout=600, retries=0) as client:  # a replicated PS client fails over, not waits
+        with pytest.raises(ConnectionRefused, match="nothing listens"):
+            client.receive(client.send("sum", {"keys": np.array([1], np.uint64)}), fail_fast=True)
+    slow = Server({"sum": Operation(lambda request: time.sleep(0.5) or sum_keys(request), {"keys": "uint64"})})
+    slow.start()
+    try:
+        with Client(slow.address, timeout=30, retries=0) as client:
+            request = client.send("sum", {"keys": np.array([2, 3], np.uint64)})
+            assert client.receive(request, fail_fast=True).arrays["total"][0] == 5
+    finally:
+        assert slow.stop(timeout=5)
 
 
 def test_request_all_fans_out_to_several_servers():
