@@ -349,8 +349,10 @@ class RayLauncher:
         master = self._await(self.trainer_actors[0].endpoint.remote(self._loopback), deadline, "trainer rank 0")
         self.log(f"trainers: {self.trainers} rank(s), group at {master[0]}:{master[1]}"
                  + (f", attempt {attempt + 1}" if attempt else ""))
-        return [actor.run.remote(self.trainer_argv, rank, self.trainers, master, attempt)
-                for rank, actor in enumerate(self.trainer_actors)]
+        machines = [self._await(actor.machine.remote(), deadline, f"trainer rank {rank}")
+                    for rank, actor in enumerate(self.trainer_actors)]
+        return [actor.run.remote(self.trainer_argv, rank, self.trainers, master, attempt, machines.count(machine))
+                for rank, (actor, machine) in enumerate(zip(self.trainer_actors, machines))]
 
     def _service_answered(self, service: _Service) -> int | None:
         """A service's outstanding call ended. Serving: its watch ended, so it died; Ray restarts it

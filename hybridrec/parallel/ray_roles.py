@@ -144,10 +144,18 @@ class TrainerHost:
         host = bind_host(loopback)
         return host, free_ports(1, host)[0]
 
-    def run(self, argv: Sequence[str], rank: int, world: int, master: tuple[str, int], attempt: int) -> int:
+    def machine(self) -> str:
+        """The machine this actor runs on (its host name): Ray nodes in network namespaces or
+        containers of one machine share its cores."""
+        return socket.gethostname()
+
+    def run(self, argv: Sequence[str], rank: int, world: int, master: tuple[str, int], attempt: int,
+            machine_trainers: int = 1) -> int:
         from hybridrec.parallel.trainer import main
+        from hybridrec.picasso.switches import MACHINE_TRAINERS_ENV
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          **{MACHINE_TRAINERS_ENV: str(machine_trainers)},
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
                           TORCHELASTIC_RESTART_COUNT=str(attempt))  # > 0: the trainer resumes
         if master[0] != "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ:

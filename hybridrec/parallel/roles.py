@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from hybridrec.axes import server_roles
 from hybridrec.config import ConfigError, JobConfig, load_config
-from hybridrec.parallel.host import dial_host, free_ports, new_job_id, ps_shm_name, role_environment
+from hybridrec.parallel.host import (dial_host, free_ports, merged_environment, new_job_id, ps_shm_name,
+                                    role_environment)
 from hybridrec.parallel.supervisor import Role
+from hybridrec.picasso.switches import MACHINE_TRAINERS_ENV
 
 if TYPE_CHECKING:
     from hybridrec.parallel.emulated_hosts import EmulatedHosts
@@ -245,6 +247,9 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int, 
                   ready_marker=role.ready, restarts=role_restarts, startup_timeout=startup_timeout, env=env)
              for role, name, i in servers]
     again = ["--resume"] if resume else ["--overwrite"] if overwrite else []
+    # every trainer of this launch runs on this machine's cores (emulated hosts share them too),
+    # whatever torchrun's LOCAL_WORLD_SIZE says
+    trainer_env = merged_environment(env, **{MACHINE_TRAINERS_ENV: str(trainers)})
     served = [arg for role in (PS, EMBEDDING_WORKER) for arg in (role.trainer_flag, ",".join(addresses[role]))]
     if counts[GROUP_PS]:
         served += [GROUP_PS.trainer_flag, ",".join(addresses[GROUP_PS])]
@@ -253,7 +258,7 @@ def build_roles(config: str, *, ps: int, embedding_workers: int, trainers: int, 
                                  "--nproc-per-node", str(count), "--max-restarts", str(max_restarts),
                                  "--rdzv-backend", "c10d", *rendezvous,
                                  "-m", "hybridrec.parallel.trainer", config, *sets, *trainer_root, *served,
-                                 *again], main=True, env=env))
+                                 *again], main=True, env=trainer_env))
     if hosts is not None:
         where = {**{name: hosts.host_of(name) for name in names}, **{node[0]: node[-1] for node in nodes}}
         roles = [replace(role, argv=hosts.wrap(where[role.name], role.argv)) for role in roles]

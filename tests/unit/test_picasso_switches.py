@@ -25,3 +25,24 @@ def test_an_explicit_setting_wins_and_one_micro_batch_never_interleaves():
 def test_the_preset_defaults_to_auto():
     cfg = parse_config({"strategy": {"preset": "picasso"}})
     assert cfg.strategy.picasso.interleaving == "auto"
+
+
+def test_auto_counts_the_trainers_sharing_the_machine_as_the_launcher_tells_them(monkeypatch):
+    # one trainer per emulated host: torchrun says 1 local trainer, the launcher says 2 on this machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv(switches.MACHINE_TRAINERS_ENV, "2")
+    on, why = switches.interleaving("auto", 2, world_size=2, cores=2)
+    assert not on and "2 cores for 2 trainers" in why and switches.MACHINE_TRAINERS_ENV in why
+    assert switches.interleaving("auto", 2, world_size=2, cores=4)[0]
+    monkeypatch.delenv(switches.MACHINE_TRAINERS_ENV)  # torchrun's count when no launcher gave one
+    on, why = switches.interleaving("auto", 2, world_size=2, cores=2)
+    assert on and "LOCAL_WORLD_SIZE" in why
+
+
+def test_the_launcher_tells_every_trainer_the_jobs_trainers_on_this_machine():
+    from hybridrec.parallel.roles import build_roles
+
+    plan = build_roles("configs/persia_synthetic.yaml", ps=1, embedding_workers=1, trainers=3, job_key=False)
+    trainers = [role for role in plan.roles if role.main]
+    assert trainers and all(role.env[switches.MACHINE_TRAINERS_ENV] == "3" for role in trainers)
+    assert all(switches.MACHINE_TRAINERS_ENV not in (role.env or {}) for role in plan.roles if not role.main)
