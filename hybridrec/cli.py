@@ -238,16 +238,11 @@ def cmd_launch(args) -> int:
         cfg = check_config(args.config, args.set)
         trainers = role_counts(cfg, args.ps, args.embedding_workers, args.trainers)["trainers"]
         _say(args, start_line("launch", cfg.strategy.record(), trainers))
-        if args.ray is not None:  # the roles on a Ray cluster
-            from hybridrec.parallel.ray_launch import launch_from_arguments
-
-            code = launch_from_arguments(args)
-        else:
-            code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
-                          overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
-                          max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
-                          emulation=emulated_hosts.from_arguments(args), job_key=not args.no_job_key,
-                          out=sys.stderr if args.json else None)
+        code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers, trainers=args.trainers,
+                      overrides=args.set, host=args.host, resume=args.resume, overwrite=args.overwrite,
+                      max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
+                      emulation=emulated_hosts.from_arguments(args), job_key=not args.no_job_key,
+                      out=sys.stderr if args.json else None, ray=args.ray)  # ray: the roles on a Ray cluster
     except ValueError as exc:  # bad counts or flags (ConfigError is one too, reported the same way)
         print(f"hybridrec launch: error: {exc}", file=sys.stderr)
         return 2
@@ -280,8 +275,9 @@ def cmd_calibrate(args) -> int:
     path = write(calibration, args.out)
     print(json.dumps(calibration) if args.json else
           f"calibration: {path}\n  kernel {calibration['kernel']['s_per_key'] * 1e9:.0f} ns per key; round trip "
-          f"{calibration['transport']['round_trip_s'] * 1e6:.0f} us; transport "
-          f"{calibration['transport']['bytes_per_s'] / 1e6:.0f} MB/s; {calibration['machine']['cores']} cores\n"
+          f"{calibration['transport']['round_trip_s'] * 1e6:.0f} us ({calibration['transport']['round_trip_cpu_s'] * 1e6:.0f}"
+          f" us of CPU); transport {calibration['transport']['bytes_per_s'] / 1e6:.0f} MB per CPU second; "
+          f"{calibration['machine']['cores']} cores\n"
           + "\n".join(f"  {c}: dense {d['s_per_sample'] * 1e6:.1f} us per sample + {d['s_per_step'] * 1e3:.2f} ms "
                       f"per step (batch {d['batch_size']}); a local step {d['local_s_per_sample'] * 1e6:.1f} us per sample"
                       for c, d in calibration["dense"].items()))

@@ -44,7 +44,6 @@ rows), counted on the workload's first batch of each size.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import shutil
 import statistics
@@ -52,6 +51,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridrec.benchmarks.hybrid import JobFailed, add_ray_argument, check_ray
+from hybridrec.benchmarks.hybrid import run_job as launch_job
 from hybridrec.benchmarks.timing import positive_int
 from hybridrec.benchmarks.results import pick
 
@@ -63,11 +64,6 @@ PS_ASYNC = ["strategy.preset=persia", "strategy.consistency=bounded", "strategy.
 PS_SYNC = ["strategy.preset=persia", "strategy.consistency=sync", "strategy.dense=allreduce"]
 SHARDED = ["strategy.preset=picasso", "strategy.consistency=sync"]
 PAPER_SAVING = 0.687  # DES §1 and §7: 68.7% fewer bytes than the PS on average
-OUTPUT_TAIL = 8000
-
-
-class JobFailed(RuntimeError):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep", metavar="DIR", help="keep the jobs' output directories under DIR")
     parser.add_argument("--verbose", action="store_true", help="show every job's launcher output")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    add_ray_argument(parser)
     return parser
 
 
@@ -97,23 +94,13 @@ def _log(text: str) -> None:
     print(f"[bench des] {text}", file=sys.stderr, flush=True)
 
 
-def run_job(config: str, overrides: list[str], output_dir: Path, trainers: int, servers: bool, timeout: float,
-            verbose: bool, label: str) -> dict:
-    """One `hybridrec launch` of `config` with `overrides`; its final metrics."""
-    from hybridrec.parallel.launch import launch
-
-    log = io.StringIO()
-    sets = [*overrides, f"train.output_dir={output_dir}"]
-    code = launch(config, ps=2 if servers else None, embedding_workers=1 if servers else None, trainers=trainers,
-                  overrides=sets, overwrite=True, timeout=timeout, out=log)
-    text = log.getvalue()
-    if verbose:
-        print(text, file=sys.stderr, end="", flush=True)
-    metrics_file = output_dir / "final_metrics.json"
-    if code != 0 or not metrics_file.is_file():
-        raise JobFailed(f"the {label} job failed (exit code {code}; config {config}, --set {' '.join(sets)}):\n"
-                        f"{text[-OUTPUT_TAIL:]}")
-    return json.loads(metrics_file.read_text())
+def run_job(args, config: str, overrides: list[str], output_dir: Path, trainers: int, servers: bool,
+            label: str) -> dict:
+    """One `hybridrec launch` of `config` with `overrides` (2 PS servers and an embedding worker
+    when `servers`; on the Ray cluster of --ray, when given); its final metrics."""
+    job = argparse.Namespace(config=config, set=[], ps=2 if servers else None, embedding_workers=1 if servers else None,
+                             trainers=trainers, timeout=args.timeout, verbose=args.verbose, ray=args.ray)
+    return launch_job(job, label, overrides, output_dir)
 
 
 def dense_parameters(config: str, overrides: list[str]) -> int:
@@ -164,8 +151,8 @@ def quality(args, models: list[str], root: Path) -> tuple[dict, dict]:
         sets = [*args.set, *model_sets(model)]
         runs = {"des": [], "ps_async": []}
         for run in range(args.runs):
-            des = run_job(args.config, [*sets, "strategy.preset=des", "strategy.roles.trainers=%d" % trainers],
-                          root / f"{model}-des-{run}", trainers, False, args.timeout, args.verbose, f"{model} des")
+            des = run_job(args, args.config, [*sets, "strategy.preset=des", "strategy.roles.trainers=%d" % trainers],
+                          root / f"{model}-des-{run}", trainers, False, f"{model} des")
             runs["des"].append({"auc": des["auc"], "logloss": des["logloss"],
                                 "samples_per_s": des["train_samples_per_s"],
                                 "bytes_per_step": des["des"]["wire_bytes_per_step"],
@@ -173,8 +160,7 @@ def quality(args, models: list[str], root: Path) -> tuple[dict, dict]:
             _log(f"{model} des run {run + 1}: auc {des['auc']:.4f} samples/s {des['train_samples_per_s']:.0f} "
                  f"bytes/step {des['des']['wire_bytes_per_step']:.0f}")
             ps_sets = [*sets, *PS_ASYNC]
-            ps = run_job(args.config, ps_sets, root / f"{model}-ps-{run}", trainers, True, args.timeout,
-                         args.verbose, f"{model} ps_async")
+            ps = run_job(args, args.config, ps_sets, root / f"{model}-ps-{run}", trainers, True, f"{model} ps_async")
             dense = 2 * 4 * dense_parameters(args.config, ps_sets)  # a trainer's pull and push per step
             embedding = ps["bytes_per_sample"] * batch
             runs["ps_async"].append({"auc": ps["auc"], "logloss": ps["logloss"],
@@ -237,16 +223,16 @@ def bytes_by_batch(args, models: list[str], batches: list[int], root: Path) -> d
                       f"strategy.roles.trainers={trainers}"]
             des = des_wire_bytes(batch, width, trainers)
             if batch == batches[0] and model not in checks:  # the counters of a real DES job agree
-                job = run_job(config, [*common, "strategy.preset=des", f"data.batch_size={batch}"],
-                              root / f"bytes-{model}-des-{batch}", trainers, False, args.timeout, args.verbose,
+                job = run_job(args, config, [*common, "strategy.preset=des", f"data.batch_size={batch}"],
+                              root / f"bytes-{model}-des-{batch}", trainers, False,
                               f"{model} des (bytes)")
                 counted = job["des"]["wire_bytes_per_step"]
                 checks[model] = {"batch": batch, "counted": counted, "formula": des}
                 if abs(counted - des) > 1e-6 * des:
                     raise JobFailed(f"{model}: the DES job counted {counted} bytes per step, the formula {des}")
             if (layout, batch) not in measured:  # models with the same tables move the same rows
-                ps_job = run_job(config, [*common, *PS_SYNC, f"data.batch_size={batch // trainers}"],
-                                 root / f"bytes-{model}-ps-{batch}", trainers, True, args.timeout, args.verbose,
+                ps_job = run_job(args, config, [*common, *PS_SYNC, f"data.batch_size={batch // trainers}"],
+                                 root / f"bytes-{model}-ps-{batch}", trainers, True,
                                  f"{model} ps (bytes, batch {batch})")
                 measured[layout, batch] = (ps_job["bytes_per_sample"] * batch, None if args.no_sharded else
                                            _sharded_bytes(args, config, common, batch, trainers, root, model))
@@ -290,8 +276,8 @@ def _sharded_bytes(args, config, common, batch, trainers, root, model) -> float 
     if AXES["placement"]["sharded"].module is None:
         return None
     try:
-        job = run_job(config, [*common, *SHARDED, f"data.batch_size={batch // trainers}"],
-                      root / f"bytes-{model}-sharded-{batch}", trainers, False, args.timeout, args.verbose,
+        job = run_job(args, config, [*common, *SHARDED, f"data.batch_size={batch // trainers}"],
+                      root / f"bytes-{model}-sharded-{batch}", trainers, False,
                       f"{model} sharded (bytes, batch {batch})")
     except (JobFailed, ValueError) as exc:
         _log(f"the sharded job failed, reported as null: {str(exc)[-2000:]}")
@@ -336,6 +322,7 @@ def headline(report: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_ray(parser, args)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in ("lr", "fm", "wide_deep", "deepfm")]
     if unknown:

@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.benchmarks.figures import png_figure
-from hybridrec.benchmarks.hybrid import JobFailed, check_config_and_plot, run_job as launch_job
+from hybridrec.benchmarks.hybrid import JobFailed, add_ray_argument, check_config_and_plot, check_ray
+from hybridrec.benchmarks.hybrid import run_job as launch_job
 from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show the launcher's output of every job")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--plot", metavar="FILE.png", help="miss rate against cache size per policy (matplotlib)")
+    add_ray_argument(parser)
     return parser
 
 
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_config_and_plot(parser, args)
+    check_ray(parser, args)
     if not 0 < args.cache_fraction <= 1:
         parser.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
     try:

@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 
 from hybridrec.benchmarks.figures import png_figure
-from hybridrec.benchmarks.hybrid import (JobFailed, _fmt, _median, check_config_and_plot, run_variants,
-                                         summarize_variant)
+from hybridrec.benchmarks.hybrid import (JobFailed, _fmt, _median, add_ray_argument, check_config_and_plot,
+                                         check_ray, run_variants, summarize_variant)
 from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--codecs", default=",".join(WIRE_CODECS), metavar="C,C,...",
                         help="wire codecs to run with a group PS per group (default: all of "
                              f"{','.join(WIRE_CODECS)}; empty: skip the codecs section)")
+    add_ray_argument(parser)
     return parser
 
 
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_config_and_plot(parser, args)
+    check_ray(parser, args)
     counts = group_counts(args, parser)
     chosen = variants(args.trainers, counts)
     coded = codec_variants(args.trainers, max(counts), codec_list(args, parser))

@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the results per bandwidth (needs matplotlib)")
     add_emulation_arguments(parser, sweep=True)
+    add_ray_argument(parser)
     return parser
 
 
@@ -120,17 +121,38 @@ def _median(values: Sequence) -> float | None:
     return statistics.median(finite) if finite else None
 
 
+def add_ray_argument(parser: argparse.ArgumentParser) -> None:
+    """--ray, on every bench whose jobs `run_job` launches."""
+    parser.add_argument("--ray", metavar="ADDRESS",
+                        help="run every job on the Ray cluster at ADDRESS as `hybridrec launch --ray` does (auto: "
+                             "this machine's, started if none runs; with --emulate-hosts, auto only: a Ray cluster "
+                             "across the emulated hosts per job); needs hybridrec[ray]")
+
+
+def check_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error when --ray cannot be had: no ray package, or an address with emulated hosts."""
+    if getattr(args, "ray", None) is None:
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        parser.error(f"--ray {args.ray}: needs the ray package (pip install 'hybridrec[ray]')")
+    if getattr(args, "emulate_hosts", None) is not None and args.ray != "auto":
+        parser.error(f"--ray {args.ray} with --emulate-hosts: the emulated hosts get a Ray cluster of their own; "
+                     "allowed: --ray auto")
+
+
 def run_job(args: argparse.Namespace, label: str, overrides: list[str], output_dir: Path,
             emulation=None) -> dict:
     """One launch of the job with `overrides` after the user's --set (on `emulation`'s hosts when
-    given); its final metrics."""
+    given; on the Ray cluster `args.ray` names, when given); its final metrics."""
     from hybridrec.parallel.launch import launch
 
     log = io.StringIO()
     sets = [*args.set, *overrides, f"train.output_dir={output_dir}"]
     code = launch(args.config, ps=args.ps, embedding_workers=args.embedding_workers,
                   trainers=args.trainers, overrides=sets, overwrite=True,
-                  timeout=args.timeout, out=log, emulation=emulation)
+                  timeout=args.timeout, out=log, emulation=emulation, ray=getattr(args, "ray", None))
     text = log.getvalue()
     if args.verbose:
         print(text, file=sys.stderr, end="", flush=True)
@@ -416,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.runs is None:
         args.runs = 1 if args.seeds else 3
     check_config_and_plot(parser, args)
+    check_ray(parser, args)
     try:
         points = sweep(args)
     except ValueError as exc:  # a bad emulation flag, or no privilege to emulate hosts

@@ -35,7 +35,6 @@ arithmetic progression.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import shutil
@@ -46,7 +45,8 @@ import tempfile
 from pathlib import Path
 
 from hybridrec.benchmarks.figures import png_figure
-from hybridrec.benchmarks.hybrid import check_config_and_plot
+from hybridrec.benchmarks.hybrid import OUTPUT_TAIL, JobFailed, add_ray_argument, check_config_and_plot, check_ray
+from hybridrec.benchmarks.hybrid import run_job as launch_job
 from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
 
@@ -63,11 +63,6 @@ ABLATION = {
 VARIANTS = ("local", *ABLATION, "persia")
 AUC_TARGET = 0.001
 OPS_TARGET = 5.0
-OUTPUT_TAIL = 12_000
-
-
-class JobFailed(RuntimeError):
-    """One benchmark job did not finish: names the variant, the exit code and the job's output."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show every job's output")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--plot", metavar="FILE.png", help="samples/s against fields (needs matplotlib)")
+    add_ray_argument(parser)
     return parser
 
 
@@ -128,15 +124,11 @@ def run_local(args, label: str, overrides: list[str], output_dir: Path) -> dict:
 
 
 def run_distributed(args, label: str, overrides: list[str], output_dir: Path) -> dict:
-    from hybridrec.parallel.launch import launch
-
-    log = io.StringIO()
-    sets = [*args.set, *overrides, f"train.output_dir={output_dir}"]
-    servers = {"ps": 2, "embedding_workers": 1} if "strategy.preset=persia" in overrides else {}
-    code = launch(args.config, trainers=args.trainers, overrides=sets, overwrite=True, timeout=args.timeout, out=log,
-                  **servers)
-    return _check(label, code, log.getvalue(), f"hybridrec launch {args.config} --set {' '.join(sets)}", output_dir,
-                  args.verbose)
+    """One `hybridrec launch` (on the Ray cluster of --ray, when given); the Persia job with 2 PS
+    servers and an embedding worker."""
+    persia = "strategy.preset=persia" in overrides
+    job = argparse.Namespace(**{**vars(args), "ps": 2 if persia else None, "embedding_workers": 1 if persia else None})
+    return launch_job(job, label, overrides, output_dir)
 
 
 def variant_overrides(args) -> dict[str, list[str]]:
@@ -339,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_config_and_plot(parser, args)
+    check_ray(parser, args)
     try:
         report = run_benchmark(args)
     except (JobFailed, ValueError, subprocess.TimeoutExpired) as exc:

@@ -17,6 +17,13 @@ Pairs (strategy against baseline, the same config, data and seed, 2 trainers; ea
 Each pair runs `--runs` times on loopback and `--runs` times on `--emulate-hosts` hosts at
 `--bandwidth` (one role per host unless fewer hosts are given), the baseline and the strategy
 alternating; a ratio is the median of the runs' paired ratios (strategy / baseline samples/s).
+Before them, every side's job runs once for 2 steps, untimed, on loopback (`--no-warmup` skips
+it), so that no timed job compiles the kernels. With `--ray ADDRESS` every job runs on that Ray
+cluster as `hybridrec launch --ray` runs it; with `--ray auto --emulate-hosts N`, each
+emulated-host job on a Ray cluster of its own across the hosts (a head node and a worker node
+per host; Ray, not the bench, places the roles). Each run also records the cores other work on
+the machine took meanwhile (hybridrec.costs.machine; not measured for Ray's roles, which are not
+the bench's children), which the cost model's prediction of that run leaves to other work.
 Link-bound is shown by the baseline's payload on its busiest link: its embedding bytes per sample
 times samples/s, over the hosts that share the busiest hop (the embedding worker's link carries
 all of Persia's payload; the trainers' links share HET's and the sharded placements'), against
@@ -45,10 +52,11 @@ from hybridrec.benchmarks import des as des_bench
 from hybridrec.benchmarks import ht as ht_bench
 from hybridrec.benchmarks import picasso as picasso_bench
 from hybridrec.benchmarks.het import STALENESS
-from hybridrec.benchmarks.hybrid import DISCIPLINES, JobFailed, run_job
+from hybridrec.benchmarks.hybrid import DISCIPLINES, JobFailed, add_ray_argument, check_ray, run_job
 from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import positive_int
-from hybridrec.costs.model import job_of
+from hybridrec.costs.machine import MachineUse
+from hybridrec.costs.model import collectives_per_step, job_of
 
 STRATEGIES = ("het", "hybrid", "picasso", "des", "ht")
 HET_DIRECT = ["strategy.preset=het", "strategy.dense=allreduce"]
@@ -128,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("--set", {"action": "append", "default": [], "metavar": "KEY=VALUE",
                        "help": "config override for every job, after the bench's own sizes (repeatable)"}),
             ("--no-loopback", {"action": "store_true", "help": "only the emulated-host runs"}),
+            ("--no-warmup", {"action": "store_true",
+                             "help": "skip the untimed 2-step job of every side that compiles the kernels first"}),
             ("--calibration", {"metavar": "FILE", "help": "`hybridrec calibrate`'s file: predict every run"}),
             ("--timeout", {"type": float, "default": 900.0, "help": "seconds per job (default 900)"}),
             ("--keep", {"metavar": "DIR", "help": "keep the jobs' output directories under DIR"}),
@@ -135,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--json", {"action": "store_true", "help": "print one JSON line"})):
         parser.add_argument(flag, **options)
     add_arguments(parser)
+    add_ray_argument(parser)
     parser.set_defaults(emulate_hosts=None, bandwidth=None)
     return parser
 
@@ -143,11 +154,11 @@ def _log(text: str) -> None:
     print(f"[bench speedups] {text}", file=sys.stderr, flush=True)
 
 
-def side_job(args, pair: Pair, side: Side, label: str, output_dir: Path, emulation) -> dict:
-    """One launch of one side of a pair; its final metrics."""
-    job = argparse.Namespace(config=pair.config, set=[*SIZE, *pair.extra, *args.set], ps=side.ps,
+def side_job(args, pair: Pair, side: Side, label: str, output_dir: Path, emulation, extra: tuple = ()) -> dict:
+    """One launch of one side of a pair (`extra`: overrides after every other); its final metrics."""
+    job = argparse.Namespace(config=pair.config, set=[*SIZE, *pair.extra, *args.set, *extra], ps=side.ps,
                              embedding_workers=side.embedding_workers, trainers=args.trainers,
-                             timeout=args.timeout, verbose=args.verbose)
+                             timeout=args.timeout, verbose=args.verbose, ray=args.ray)
     return run_job(job, label, side.overrides, output_dir, emulation)
 
 
@@ -170,12 +181,25 @@ def figures_of(metrics: dict, side: Side) -> dict:
     per_sample = metrics.get("bytes_per_sample")
     busiest = 8 * per_sample * rate / side.busiest_share if rate and per_sample is not None else None
     return {"samples_per_s": rate, "bytes_per_sample": per_sample, "busiest_link_bits_per_s": busiest,
-            "auc": metrics.get("auc"), "interleaving": (metrics.get("interleaving") or {}).get("why")}
+            "auc": metrics.get("auc"), "interleaving": (metrics.get("interleaving") or {}).get("why"),
+            "collectives_per_step": collectives_per_step(metrics)}
 
 
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def warm_up(args, names: list[str], root: Path) -> None:
+    """Every side's job once, 2 steps on loopback, untimed: numba compiles the kernels a job uses
+    on their first use after any source change (then keeps them per source version), which would
+    otherwise land in the first timed job of each kind."""
+    every, here = pairs(), argparse.Namespace(**{**vars(args), "ray": None})  # this machine's kernels
+    for name in names:
+        for which in ("baseline", "strategy"):
+            side_job(here, every[name], getattr(every[name], which), f"{name} {which} (warm-up)",
+                     root / f"{name}-{which}-warmup", None, ("train.max_steps=2",))
+    _log(f"warm-up done: {2 * len(names)} jobs of 2 steps")
 
 
 def run_setting(args, names: list[str], root: Path, emulated: bool) -> dict:
@@ -190,20 +214,26 @@ def run_setting(args, names: list[str], root: Path, emulated: bool) -> dict:
                 side = getattr(pair, which)
                 emulation = emulation_for(args, roles_of(side, args.trainers)) if emulated else None
                 tag = f"{name}-{which}-{'emulated' if emulated else 'loopback'}-run{run}"
-                metrics = side_job(args, pair, side, f"{name} {which}", root / tag, emulation)
+                with MachineUse(counts_job=args.ray is None) as use:  # a Ray cluster's roles are not our children
+                    metrics = side_job(args, pair, side, f"{name} {which}", root / tag, emulation)
                 figures = figures_of(metrics, side)
                 figures["hosts"] = emulation.hosts if emulation else None
+                figures["background_cores"] = use.figures()["background_cores"]
                 runs[which].append(figures)
                 _log(f"{tag}: samples/s {figures['samples_per_s'] or 0:.0f} bytes/sample "
                      f"{figures['bytes_per_sample'] or 0:.0f}"
                      + (f" busiest link {figures['busiest_link_bits_per_s'] / 1e6:.1f} Mbit/s"
-                        if figures["busiest_link_bits_per_s"] else ""))
+                        if figures["busiest_link_bits_per_s"] else "")
+                     + (f"; other work took {figures['background_cores']:.2f} cores"
+                        if figures["background_cores"] is not None else ""))
         ratios = [s["samples_per_s"] / b["samples_per_s"] for b, s in zip(runs["baseline"], runs["strategy"])
                   if s["samples_per_s"] and b["samples_per_s"]]
         jobs = {which: asdict(job_of(pair.config, [*SIZE, *pair.extra, *args.set, *getattr(pair, which).overrides],
                                      pair.extra, name, which, args.trainers,
                                      _median([r["bytes_per_sample"] for r in runs[which]]),
-                                     getattr(pair, which).busiest_share))
+                                     getattr(pair, which).busiest_share, getattr(pair, which).ps,
+                                     getattr(pair, which).embedding_workers,
+                                     _median([r["collectives_per_step"] for r in runs[which]])))
                 for which in runs}
         out[name] = {"ratio": _median(ratios), "ratios": ratios, "claim": pair.claim, "jobs": jobs,
                      "baseline_busiest_link_bits_per_s": _median([b["busiest_link_bits_per_s"]
@@ -268,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--strategies: unknown {unknown}; allowed: {','.join(STRATEGIES)}")
     if args.bandwidth is None and args.emulate_hosts is not None:
         parser.error("--emulate-hosts needs --bandwidth here (the rate where the baselines are link-bound)")
+    check_ray(parser, args)
     if args.calibration and not Path(args.calibration).is_file():
         parser.error(f"--calibration {args.calibration}: no such file")
     if args.bandwidth is not None:
@@ -280,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="hybridrec-bench-speedups-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
+        if not args.no_warmup:
+            warm_up(args, names, root)
         loopback = {} if args.no_loopback else run_setting(args, names, root, emulated=False)
         link = run_setting(args, names, root, emulated=True) if args.bandwidth else {}
     except (JobFailed, ValueError) as exc:
@@ -296,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           parse_rate(args.bandwidth) if args.bandwidth else None)
     result = report(loopback, link, args.bandwidth, projection)
     result["settings"] = {"runs": args.runs, "trainers": args.trainers, "set": [*SIZE, *args.set],
-                          "bandwidth": args.bandwidth, "emulate_hosts": args.emulate_hosts}
+                          "bandwidth": args.bandwidth, "emulate_hosts": args.emulate_hosts, "ray": args.ray}
     print_report(result)
     if args.json:
         print(json.dumps(result))

@@ -7,14 +7,18 @@ Measured, each the median of `repeats` timings after a warm-up:
              embeddings and features), at the config's batch size and a quarter of it: seconds
              per sample and per step (the fixed dispatch cost), and its parameter count; and a
              whole training step in one process (30 steps of the local placement: data,
-             embedding lookups and updates, dense step, the loop; the faster of two runs, the
-             first warming up), per sample;
+             embedding lookups and updates, dense step, the loop; the marginal cost per sample
+             between a short and a 4x longer run after a warm-up run);
   kernel     seconds per key of the embedding engine's lookup plus its fused update
              (EmbeddingStore.pull then push, Zipf keys, dim 16, one thread);
-  transport  a PS server on loopback: the round trip of a one-key lookup (seconds) and the bytes
-             per second of a 16,384-key lookup (both ends' serialisation and copies: CPU work
-             that shares the cores with the rest of a job);
-  machine    the cores this process may run on.
+  transport  a PS server on loopback, in this process: the round trip of a one-key lookup (wall
+             seconds: its latency; CPU seconds of both ends: what a request costs the cores
+             beside a job's other work) and the bytes per CPU second of a 16,384-key lookup
+             (both ends' serialisation and copies);
+  machine    the cores this process may run on, and how many of them other work took while
+             the calibration ran (hybridrec.costs.machine).
+Every timing but the round trip's latency is in CPU seconds of this process (time.process_time),
+so that the other work of a shared machine does not inflate it.
 """
 from __future__ import annotations
 
@@ -30,14 +34,18 @@ TRANSPORT_KEYS = 16_384
 KERNEL_KEYS = 4_096
 
 
-def _median_seconds(run: Callable[[], None], repeats: int, warmup: int = 2) -> float:
+def _median_seconds(run: Callable[[], None], repeats: int, warmup: int = 2,
+                    clock: Callable[[], float] = time.process_time) -> float:
+    """The median of `repeats` timings of `run` after `warmup` untimed calls; by default in this
+    process's CPU seconds (every thread's), so that other work on the machine's cores does not
+    count: a job's work, not the share of the cores it got, is what the cost model needs."""
     for _ in range(warmup):
         run()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -78,10 +86,12 @@ def dense_costs(cfg, repeats: int) -> dict:
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 30) -> float:
+def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 20) -> float:
     """A whole training step of the job's model in one process (the local placement: its data
     reading, embedding lookups and updates, dense step and loop), on one torch thread, per
-    sample: `train_samples_per_s` of a `steps`-step run."""
+    sample: the marginal CPU seconds between a run of `steps` steps and one of 4 x `steps`, after a
+    warm-up run, so that neither the first compilation of the kernels nor a run's fixed costs (its
+    start, its tables' first rows, its evaluation) count."""
     import tempfile
 
     import torch
@@ -89,20 +99,25 @@ def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 30)
     from hybridrec.config import load_config
     from hybridrec.train.trainer import train
 
+    def seconds(length: int) -> tuple[int, float]:
+        with tempfile.TemporaryDirectory(prefix="hybridrec-calibrate-") as out:
+            cfg = load_config(config, [*overrides, "strategy.preset=local", f"train.max_steps={length}",
+                                       "data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096",
+                                       "train.epochs=100", "train.progress=false", f"train.output_dir={out}"])
+            start = time.process_time()
+            result = train(cfg, overwrite=True)
+        return result["samples"], time.process_time() - start
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rates = []
     try:
-        for _ in range(2):  # the first run compiles and warms up: the faster one counts
-            with tempfile.TemporaryDirectory(prefix="hybridrec-calibrate-") as out:
-                cfg = load_config(config, [*overrides, "strategy.preset=local", f"train.max_steps={steps}",
-                                           "data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096",
-                                           "train.progress=false",
-                                           f"train.output_dir={out}"])
-                rates.append(train(cfg, overwrite=True)["train_samples_per_s"])
+        seconds(steps)  # compiles and warms up
+        (short, t_short), (long, t_long) = seconds(steps), seconds(4 * steps)
     finally:
         torch.set_num_threads(threads)
-    return 1.0 / max(rates)
+    if long > short and t_long > t_short:
+        return (t_long - t_short) / (long - short)
+    return t_long / long  # no growth measured (noise on a loaded machine): the long run's average
 
 
 def kernel_seconds_per_key(repeats: int) -> float:
@@ -129,10 +144,11 @@ def transport_costs(repeats: int) -> dict:
             one = np.array([1], np.uint64)
             many = np.arange(TRANSPORT_KEYS, dtype=np.uint64)
             client.lookup("t", many)  # inserted before anything is timed
-            rtt = _median_seconds(lambda: client.lookup("t", one), repeats * 10)
+            rtt = _median_seconds(lambda: client.lookup("t", one), repeats * 10, clock=time.perf_counter)
+            rtt_cpu = _median_seconds(lambda: client.lookup("t", one), repeats * 10)
             bulk = _median_seconds(lambda: client.lookup("t", many), repeats)
         payload = TRANSPORT_KEYS * (8 + 16 * 4)  # keys out, rows back
-        return {"round_trip_s": rtt, "bytes_per_s": payload / max(bulk - rtt, 1e-9)}
+        return {"round_trip_s": rtt, "round_trip_cpu_s": rtt_cpu, "bytes_per_s": payload / max(bulk - rtt_cpu, 1e-9)}
     finally:
         server.stop()
 
@@ -153,11 +169,15 @@ def calibrate(jobs: list[tuple[str, list[str]]], repeats: int = 5) -> dict:
     are timed."""
     from hybridrec.config import load_config
 
-    dense = {dense_key(path, overrides): {**dense_costs(load_config(path, overrides), repeats),
-                                          "local_s_per_sample": local_seconds_per_sample(path, overrides)}
-             for path, overrides in jobs}
-    return {"machine": {"cores": machine_cores()}, "kernel": {"s_per_key": kernel_seconds_per_key(repeats)},
-            "transport": transport_costs(repeats), "dense": dense, "repeats": repeats,
+    from hybridrec.costs.machine import MachineUse
+
+    with MachineUse() as use:
+        dense = {dense_key(path, overrides): {**dense_costs(load_config(path, overrides), repeats),
+                                              "local_s_per_sample": local_seconds_per_sample(path, overrides)}
+                 for path, overrides in jobs}
+        kernel, transport = kernel_seconds_per_key(repeats), transport_costs(repeats)
+    return {"machine": {"cores": machine_cores(), "background_cores": use.figures()["background_cores"]},
+            "kernel": {"s_per_key": kernel}, "transport": transport, "dense": dense, "repeats": repeats,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

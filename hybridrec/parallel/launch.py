@@ -46,14 +46,25 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
            overrides: Sequence[str] = (),
            host: str = "127.0.0.1", resume: bool = False, overwrite: bool = False, max_restarts: int = 0,
            role_restarts: int = 3, timeout: float | None = None, grace: float = 10.0,
-           out: TextIO | None = None, emulation: "HostEmulation | None" = None, job_key: bool = True) -> int:
+           out: TextIO | None = None, emulation: "HostEmulation | None" = None, job_key: bool = True,
+           ray: str | None = None) -> int:
     """Run a whole job here; the exit code: 0 done, 1 a role failed, 124 timeout, 130 interrupted.
     `emulation`: run the roles on emulated hosts (emulated_hosts.py), deleted when the job ends.
     `job_key`: a new job key for every role (False: none, on loopback only).
+    `ray`: place the roles on the Ray cluster at that address instead (`--ray`, ray_launch.py;
+    with `emulation`, only "auto": a Ray cluster of the emulated hosts' own, ray_emulated.py).
 
     Raises ConfigError / ValueError before anything starts when the arguments or config are wrong.
     """
     from hybridrec.job.tables import job_tables
+
+    if ray is not None:
+        from hybridrec.parallel.ray_launch import launch_on_cluster
+
+        return launch_on_cluster(config, ray, emulation, host=host, out=out, ps=ps, embedding_workers=embedding_workers,
+                                 trainers=trainers, overrides=overrides, resume=resume, overwrite=overwrite,
+                                 max_restarts=max_restarts, role_restarts=role_restarts, timeout=timeout,
+                                 job_key=job_key)
 
     cfg = check_config(config, overrides)
     counts = role_counts(cfg, ps, embedding_workers, trainers)
@@ -100,3 +111,4 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
     if code != 0:
         print(f"hybridrec launch: {supervisor.reason}", file=sys.stderr, flush=True)
     return code
+

@@ -100,16 +100,17 @@ def start_cluster(hosts, cpus: int, root: Path, env: dict, nodes: list[subproces
     return head
 
 
-def driver_arguments(args, head: str) -> list[str]:
-    """The `hybridrec launch --ray HEAD` command the driver runs inside host 0."""
-    argv = [sys.executable, "-m", "hybridrec.cli", "launch", args.config, "--ray", head,
-            "--max-restarts", str(args.max_restarts), "--role-restarts", str(args.role_restarts)]
-    for flag, value in (("--ps", args.ps), ("--embedding-workers", args.embedding_workers),
-                        ("--trainers", args.trainers), ("--timeout", args.timeout)):
+def driver_arguments(config: str, head: str, job: dict) -> list[str]:
+    """The `hybridrec launch --ray HEAD` command the driver runs inside host 0, for `job`
+    (`launch_on_emulated_cluster`'s keyword arguments)."""
+    argv = [sys.executable, "-m", "hybridrec.cli", "launch", config, "--ray", head,
+            "--max-restarts", str(job["max_restarts"]), "--role-restarts", str(job["role_restarts"])]
+    for flag, value in (("--ps", job["ps"]), ("--embedding-workers", job["embedding_workers"]),
+                        ("--trainers", job["trainers"]), ("--timeout", job["timeout"])):
         if value is not None:
             argv += [flag, str(value)]
-    argv += [arg for item in args.set for arg in ("--set", item)]
-    argv += ["--resume"] if args.resume else ["--overwrite"] if args.overwrite else []
+    argv += [arg for item in job["overrides"] for arg in ("--set", item)]
+    argv += ["--resume"] if job["resume"] else ["--overwrite"] if job["overwrite"] else []
     return argv
 
 
@@ -119,22 +120,26 @@ def _forward(stream, out) -> None:
         out.flush()
 
 
-def launch_on_emulated_cluster(args, out=None) -> int:
-    """Run the job of `args` (the launch subparser's) on a Ray cluster across emulated hosts; the
-    driver's exit code (1 when the cluster did not come up)."""
-    from hybridrec.parallel.emulated_hosts import EmulatedHosts, check_support, from_arguments
+def launch_on_emulated_cluster(config: str, emulation, *, ps: int | None = None,
+                               embedding_workers: int | None = None, trainers: int | None = None,
+                               overrides: Sequence[str] = (), resume: bool = False, overwrite: bool = False,
+                               max_restarts: int = 0, role_restarts: int = 3, timeout: float | None = None,
+                               job_key: bool = True, out=None) -> int:
+    """Run the job (`hybridrec launch`'s arguments) on a Ray cluster across the emulated hosts
+    `emulation` (a HostEmulation) asks for; the driver's exit code (1 when the cluster did not
+    come up). ValueError before anything starts for what does not apply here."""
+    from hybridrec.parallel.emulated_hosts import EmulatedHosts, check_support
     from hybridrec.parallel.host import new_job_id
     from hybridrec.parallel.roles import check_config, group_ps_layout, job_demand, role_counts
 
     out = out or sys.stdout
-    emulation = from_arguments(args)
     if emulation.place:
         raise ValueError("--place does not apply with --ray: Ray places the roles on the emulated hosts' nodes")
-    if getattr(args, "no_job_key", False):
+    if not job_key:
         raise ValueError("--no-job-key: the roles on emulated hosts serve off loopback, where every server needs the "
                          "job key; leave --no-job-key out")
-    cfg = check_config(args.config, args.set)
-    counts = role_counts(cfg, args.ps, args.embedding_workers, args.trainers)
+    cfg = check_config(config, overrides)
+    counts = role_counts(cfg, ps, embedding_workers, trainers)
     groups, per_group = group_ps_layout(cfg, counts["trainers"])
     counts["group_ps"] = groups * per_group
     check_support()
@@ -151,7 +156,10 @@ def launch_on_emulated_cluster(args, out=None) -> int:
                 print(f"hybridrec launch: {error}", file=sys.stderr, flush=True)
                 return 1
             out.write(f"[launch] Ray cluster of {len(nodes)} nodes, head at {head}\n")
-            driver = subprocess.Popen(hosts.wrap(0, driver_arguments(args, head)), env=env, stdout=subprocess.PIPE,
+            job = {"ps": ps, "embedding_workers": embedding_workers, "trainers": trainers, "overrides": list(overrides),
+                   "resume": resume, "overwrite": overwrite, "max_restarts": max_restarts,
+                   "role_restarts": role_restarts, "timeout": timeout}
+            driver = subprocess.Popen(hosts.wrap(0, driver_arguments(config, head, job)), env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
             forward = threading.Thread(target=_forward, args=(driver.stdout, out), daemon=True)
             forward.start()

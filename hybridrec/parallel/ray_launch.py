@@ -555,19 +555,19 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
     return code
 
 
-def launch_from_arguments(args) -> int:
-    """`hybridrec launch ... --ray ADDRESS` from its parsed arguments (the launch subparser's)."""
-    if args.host != "127.0.0.1":
-        raise ValueError(f"--host {args.host} does not apply with --ray: each role binds its node's address "
+def launch_on_cluster(config: str, address: str, emulation, *, host: str = "127.0.0.1", out: TextIO | None = None,
+                      **job) -> int:
+    """`hybridrec launch --ray ADDRESS` (`launch(..., ray=ADDRESS)`): the job on the Ray cluster at
+    `address`, or, with `emulation` (a HostEmulation), on a Ray cluster of its own across the
+    emulated hosts (ray_emulated.py). ValueError for flags that do not apply."""
+    if host != "127.0.0.1":
+        raise ValueError(f"--host {host} does not apply with --ray: each role binds its node's address "
                          "(loopback on a one-node cluster)")
-    if getattr(args, "emulate_hosts", None) is not None:
-        if args.ray != "auto":
-            raise ValueError(f"--emulate-hosts {args.emulate_hosts} with --ray {args.ray}: the emulated hosts get a "
-                             "Ray cluster of their own; allowed: --ray auto")
-        from hybridrec.parallel.ray_emulated import launch_on_emulated_cluster
+    if emulation is None:
+        return launch_on_ray(config, address=address, out=out, **job)
+    if address != "auto":
+        raise ValueError(f"--emulate-hosts {emulation.hosts} with --ray {address}: the emulated hosts get a Ray "
+                         "cluster of their own; allowed: --ray auto")
+    from hybridrec.parallel.ray_emulated import launch_on_emulated_cluster
 
-        return launch_on_emulated_cluster(args)
-    return launch_on_ray(args.config, address=args.ray, ps=args.ps, embedding_workers=args.embedding_workers,
-                         trainers=args.trainers, overrides=args.set, resume=args.resume, overwrite=args.overwrite,
-                         max_restarts=args.max_restarts, role_restarts=args.role_restarts, timeout=args.timeout,
-                         job_key=not args.no_job_key)
+    return launch_on_emulated_cluster(config, emulation, out=out, **job)
