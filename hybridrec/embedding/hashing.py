@@ -94,5 +94,13 @@ def route_salt(table_id) -> np.uint64:
 def stays_in_run(home, hole, j, ns):
     """Backward-shift deletion in a linear-probing table of ns slots: whether the entry at slot j,
     whose home slot is `home`, must stay where it is when slot `hole` (before j in the run) is
-    freed, because its home lies after the hole (moving it there would put it before its home)."""
-    return 0 < (home - hole) % ns <= (j - hole) % ns
+    freed, because its home lies after the hole (moving it there would put it before its home).
+    All three lie in [0, ns), so the cyclic distances need a conditional add, not a modulo (an
+    integer division per entry shifted, on the path of every eviction)."""
+    to_home = home - hole
+    if to_home < 0:
+        to_home += ns
+    to_j = j - hole
+    if to_j < 0:
+        to_j += ns
+    return 0 < to_home <= to_j

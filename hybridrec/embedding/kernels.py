@@ -66,6 +66,8 @@ PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
 FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
+EVICT_AHEAD = 8  # victims ahead whose row lines an eviction requests for writing
+DISP_BITS = 4  # bits of an index entry holding its distance from its home slot (see _entry)
 
 
 @njit(cache=True, nogil=True)
@@ -163,41 +165,59 @@ def _lru_push_head(r32, meta, parts, p, r):
 
 
 @njit(cache=True, nogil=True)
-def _lru_touch(r32, meta, parts, p, r):
-    if parts[p, PT_HEAD] != r:
-        _lru_unlink(r32, meta, parts, p, r)
-        _lru_push_head(r32, meta, parts, p, r)
-
-
-@njit(cache=True, nogil=True)
-def link_lru_from_stamps(r32, meta, parts, p):
+def link_lru_from_stamps(r32, meta, parts, p, leave_out=-1):
     """(Re)build partition p's LRU list from its live rows' last training use, least recent at
     the tail: by stamp (lookup call), then by slot (first-seen order within that call), the order
-    in which a kept list would have been relinked. Marks the list as kept from now on."""
+    in which a kept list would have been relinked. Rows stamped `leave_out` (the lookup call
+    building it, which links its own rows afterwards) stay out. Marks the list as kept."""
     start = parts[p, PT_ROW_START]
     size = parts[p, PT_SIZE]
     last_use = np.empty(size, np.int64)
+    n = 0
     for i in range(size):
         r = start + i
-        last_use[i] = (np.int64(r32[r, meta + M_STAMP]) << 32) | (np.int64(r32[r, meta + M_SLOT]) & 0xFFFFFFFF)
-    order = np.argsort(last_use, kind="mergesort")
+        if r32[r, meta + M_STAMP] != leave_out:
+            last_use[n] = (np.int64(r32[r, meta + M_STAMP]) << 32) | (np.int64(r32[r, meta + M_SLOT]) & 0xFFFFFFFF)
+            n += 1
+    rows_of = np.empty(n, np.int64)
+    n = 0
+    for i in range(size):
+        if r32[start + i, meta + M_STAMP] != leave_out:
+            rows_of[n] = start + i
+            n += 1
+    order = np.argsort(last_use[:n], kind="mergesort")
     parts[p, PT_HEAD] = -1
     parts[p, PT_TAIL] = -1
-    for i in range(size):
-        _lru_push_head(r32, meta, parts, p, start + order[i])
+    for i in range(n):
+        _lru_push_head(r32, meta, parts, p, rows_of[order[i]])
     parts[p, PT_LRU_KEPT] = 1
 
 
 # ---------------------------------------------------------------- hash index
 
 @njit(inline="always")
+def _disp_bits(row_bits):
+    """Bits of an index entry, just above its row number, that hold how far past its home slot
+    the entry sits (DISP_BITS, fewer when row numbers leave fewer free)."""
+    return min(DISP_BITS, 31 - row_bits)
+
+
+@njit(inline="always")
 def _tag(h, row_bits):
-    """The part of an index entry above its row number: 31 - row_bits bits of the key hash (none
-    when row numbers need all 31), taken from just above bit 32. The slot comes from the low 32
-    bits and the partition from the top ones, so the tag is independent of both."""
-    if row_bits >= 31:
+    """The part of an index entry above its row number and displacement: the remaining bits of
+    31 (none when row numbers and displacement need them all) from the key hash, taken from just
+    above bit 32. The slot comes from the low 32 bits and the partition from the top ones, so the
+    tag is independent of both."""
+    low = row_bits + _disp_bits(row_bits)
+    if low >= 31:
         return np.int64(0)
-    return np.int64((h >> np.uint64(32)) & np.uint64((1 << (31 - row_bits)) - 1)) << row_bits
+    return np.int64((h >> np.uint64(32)) & np.uint64((1 << (31 - low)) - 1)) << low
+
+
+@njit(inline="always")
+def _tag_mask(row_bits):
+    """The bits of an index entry that hold its tag."""
+    return np.int64(0x7FFFFFFF) & ~((np.int64(1) << (row_bits + _disp_bits(row_bits))) - 1)
 
 
 @njit(inline="always")
@@ -207,9 +227,15 @@ def _row_mask(row_bits):
 
 
 @njit(inline="always")
-def _entry(r, h, row_bits):
-    """The index entry of row r holding a key of hash h."""
-    return np.int32(_tag(h, row_bits) | r)
+def _entry(r, h, row_bits, at, ns):
+    """The index entry of row r holding a key of hash h, stored at slot `at` of its ns slots:
+    tag | displacement (slots past the key's home, capped at the field's largest value, which
+    then means "at least that far") | row."""
+    cap = (np.int64(1) << _disp_bits(row_bits)) - 1
+    disp = at - scale32(h, ns)
+    if disp < 0:
+        disp += ns
+    return np.int32(_tag(h, row_bits) | (min(disp, cap) << row_bits) | r)
 
 
 @njit(inline="always")
@@ -226,10 +252,11 @@ def _probe(index, r64, kcol, key, s0, ns, h, row_bits):
     An entry whose tag differs from the key's is passed over without reading its row's key."""
     s = scale32(h, ns)
     tag = _tag(h, row_bits)
+    tags = _tag_mask(row_bits)
     rows_part = _row_mask(row_bits)
     while True:
         e = np.int64(index[s0 + s])
-        if e < 0 or ((e & ~rows_part) == tag and r64[e & rows_part, kcol] == key):
+        if e < 0 or ((e & tags) == tag and r64[e & rows_part, kcol] == key):
             return s0 + s
         s += 1
         if s == ns:
@@ -238,19 +265,34 @@ def _probe(index, r64, kcol, key, s0, ns, h, row_bits):
 
 @njit(cache=True, nogil=True)
 def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
-    """Remove the entry at `slot` by shifting later entries of the run back (no tombstones)."""
+    """Remove the entry at `slot` by shifting later entries of the run back (no tombstones). An
+    entry's home slot is its slot minus its displacement, so the shift reads no key, unless a
+    displacement is capped (then the key is read and hashed); a moved entry's displacement
+    shrinks by the distance it moves."""
+    cap = (np.int64(1) << _disp_bits(row_bits)) - 1
+    rows_part = _row_mask(row_bits)
     hole = slot - s0
     j = hole
     while True:
         j += 1
         if j == ns:
             j = 0
-        e = index[s0 + j]
+        e = np.int64(index[s0 + j])
         if e < 0:
             break
-        if stays_in_run(scale32(index_hash(r64[_entry_row(e, row_bits), kcol]), ns), hole, j, ns):
+        disp = (e >> row_bits) & cap
+        if disp < cap:
+            home = j - disp
+            if home < 0:
+                home += ns
+        else:
+            home = scale32(index_hash(r64[e & rows_part, kcol]), ns)
+        if stays_in_run(home, hole, j, ns):
             continue
-        index[s0 + hole] = e
+        moved = hole - home
+        if moved < 0:
+            moved += ns
+        index[s0 + hole] = np.int32((e & ~(cap << row_bits)) | (min(moved, cap) << row_bits))
         hole = j
     index[s0 + hole] = -1
 
@@ -324,34 +366,29 @@ def _admit(key, seed, draw, icfg, fcfg, sketch):
 
 
 @njit(cache=True, nogil=True)
-def _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bits):
-    """Requests, after an LRU eviction, what the next two will touch. An eviction follows the list
-    from the tail (a chain of dependent misses), deletes the victim's index entry (reading the
-    keys of the entries after it, to shift them back) and initialises its row; without these
-    requests each would wait on a miss in turn. Two stages, each fed by the one before at the
-    previous eviction: the new tail's row lines (for writing) and the metadata of the entries
-    after its index slot (that slot was requested last time), then the next tail's index slot
-    (its metadata was requested last time) and its predecessor's metadata."""
-    t = parts[p, PT_TAIL]
-    if t < 0:
-        return
+def _lru_victims(r32, r64, index, parts, p, meta, s0, ns, m, victims, vhash):
+    """Cut the m least recently used rows off partition p's LRU list into victims[:m], oldest
+    first, with their keys' hashes in vhash; returns False, leaving the list whole, when it holds
+    fewer. The walk is a chain of dependent loads, so each step also requests the index slot that
+    deleting its victim will read, to be there when the eviction loop gets to it."""
     kcol = meta // 2
-    s = scale32(index_hash(r64[t, kcol]), ns)
-    for k in range(1, 3):  # at load <= 0.5 a run rarely holds more
-        j = s + k if s + k < ns else s + k - ns
-        e = index[s0 + j]
-        if e < 0:
-            break
-        prefetch_row(r32, _entry_row(e, row_bits))
-    prefetch_cell_for_write(rows, t, 0)
-    if rows.shape[1] > LINE_FLOATS:
-        prefetch_cell_for_write(rows, t, rows.shape[1] - 1)
-    t2 = r32[t, meta + M_PREV]
-    if t2 >= 0:
-        prefetch_row(index, s0 + scale32(index_hash(r64[t2, kcol]), ns))
-        t3 = r32[t2, meta + M_PREV]
-        if t3 >= 0:
-            prefetch_row(r32, t3)
+    t = parts[p, PT_TAIL]
+    k = 0
+    while k < m and t >= 0:
+        h = index_hash(r64[t, kcol])
+        prefetch_row(index, s0 + scale32(h, ns))
+        victims[k] = t
+        vhash[k] = h
+        k += 1
+        t = r32[t, meta + M_PREV]
+    if k < m:
+        return False
+    parts[p, PT_TAIL] = t
+    if t >= 0:
+        r32[t, meta + M_NEXT] = -1
+    else:
+        parts[p, PT_HEAD] = -1
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -396,15 +433,105 @@ def _admit_any(key, seed, times, parts, p, icfg, fcfg, sketch):
 
 
 @njit(cache=True, nogil=True)
+def _fill_row(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, fcfg, seed, tier):
+    """Row r becomes `key`'s: its index entry at `slot` (where a probe for the key stopped), its
+    values, access count and clock from the disk tier (record `on_disk` >= 0) or new."""
+    meta = icfg[IC_META]
+    s0 = parts[p, PT_SLOT_START]
+    index[slot] = _entry(r, h, icfg[IC_ROW_BITS], slot - s0, parts[p, PT_SLOT_COUNT])
+    r64[r, meta // 2] = key
+    if on_disk >= 0:
+        tier_take(tier, p, on_disk, rows, r, r32, meta, M_COUNT, M_CLOCK)
+    else:
+        _init_row(rows, r, key, seed, icfg, fcfg)
+        r32[r, meta + M_COUNT] = 0
+        r32[r, meta + M_CLOCK] = 0
+        parts[p, PT_INSERTED] += 1
+
+
+@njit(cache=True, nogil=True)
+def _mark_use(r32, meta, parts, p, r, mode, tiered, times, epoch, slot):
+    """Row r is used by lookup call `epoch` as its unique row number `slot`: a training use counts
+    `times` and stamps it (not evictable until the next call); a read-only lookup of a tiered
+    store stamps it too (it may take rows from disk and evict: the rows it returns stay), but
+    leaves counts alone, and other read-only lookups leave the row as it is."""
+    if mode != MODE_FIND:
+        c = r32[r, meta + M_COUNT] + times
+        r32[r, meta + M_COUNT] = c
+        if c >= _COUNT_CEILING:
+            _age_counts(r32, meta, parts, p)
+    if mode != MODE_FIND or tiered:
+        r32[r, meta + M_STAMP] = epoch
+        r32[r, meta + M_SLOT] = slot
+
+
+@njit(cache=True, nogil=True)
+def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg, fcfg,
+               seed, epoch, mode, uniq_rows, tier):
+    """Give the distinct keys pend[:npend] of a full partition the rows of as many evicted ones,
+    after every key of the call was probed (the rows the call uses are out of reach by then);
+    returns an error code. Under LRU the victims are cut off the list's tail at once (the walk
+    requests their index slots), then evicted in order, each requesting the row lines of the
+    victim EVICT_AHEAD further for writing."""
+    meta = icfg[IC_META]
+    kcol = meta // 2
+    row_bits = icfg[IC_ROW_BITS]
+    width = rows.shape[1]
+    lfu = icfg[IC_POLICY] == POLICY_LFU
+    tiered = has_tier(tier)
+    s0 = parts[p, PT_SLOT_START]
+    ns = parts[p, PT_SLOT_COUNT]
+    victims = np.empty(0 if lfu else npend, np.int64)
+    vhash = np.empty(0 if lfu else npend, np.uint64)
+    if not lfu:
+        if parts[p, PT_LRU_KEPT] == 0:  # the first eviction of this partition
+            link_lru_from_stamps(r32, meta, parts, p, epoch)
+        if not _lru_victims(r32, r64, index, parts, p, meta, s0, ns, npend, victims, vhash):
+            return ERR_FULL
+    for i in range(npend):
+        if lfu:
+            r = _lfu_victim(r32, meta, parts, p, epoch)
+            if r < 0:
+                return ERR_FULL
+            hv = index_hash(r64[r, kcol])
+        else:
+            ahead = i + EVICT_AHEAD
+            if ahead < npend:
+                prefetch_cell_for_write(rows, victims[ahead], 0)
+                if width > LINE_FLOATS:
+                    prefetch_cell_for_write(rows, victims[ahead], width - 1)
+            r = victims[i]
+            hv = vhash[i]
+        if tiered:
+            tier_put(tier, p, r64[r, kcol], rows, r, r32, meta, M_COUNT, M_CLOCK)
+        _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns, hv, row_bits), s0, ns,
+                      row_bits)
+        parts[p, PT_EVICTED] += 1
+        u = pend[i]
+        key = ukeys[u]
+        h = uhash[u]
+        on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, key) else np.int64(-1)
+        _fill_row(p, r, key, h, _probe(index, r64, kcol, key, s0, ns, h, row_bits), on_disk, rows, r32, r64, index,
+                  parts, icfg, fcfg, seed, tier)
+        _mark_use(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, slot_of[u])
+        uniq_rows[slot_of[u]] = r
+        row_of[u] = r
+    return 0
+
+
+@njit(cache=True, nogil=True)
 def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
                       icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase, tier):
     """Probe (and insert) the keys of partition p; returns (number of unique rows, error code).
 
-    Three passes: dedupe the batch's keys locally (`dedupe`); probe each distinct key once in a
+    Passes: dedupe the batch's keys locally (`dedupe`); probe each distinct key once in a
     software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row, metadata and LRU
     neighbours of the key PREFETCH_ROW ahead are requested from memory early, so their misses
-    overlap instead of following one another); then map every position to its unique row. A key
-    absent or refused admission reads as row -1 at every one of its positions.
+    overlap instead of following one another), a new key taking the next unused row while there
+    is one; then the new keys of a full partition get rows by eviction, all at once (`_evict_for`);
+    then the call's rows go to the head of the LRU list in first-seen order; then every position
+    is mapped to its unique row. A key absent or refused admission reads as row -1 at every one of
+    its positions. Evicting after the probes means a key the call uses is never evicted by it.
 
     With a disk tier (`tier`, tier_kernels.py) an evicted row is written there with its optimizer
     state, count and clock, and a key absent from memory but on disk comes back into a row, in
@@ -416,10 +543,11 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     width = rows.shape[1]
     lfu = icfg[IC_POLICY] == POLICY_LFU
     row_bits = icfg[IC_ROW_BITS]
-    rows_part = _row_mask(row_bits)
+    tags = _tag_mask(row_bits)
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
     tiered = has_tier(tier)
-    linked = not lfu and (mode != MODE_FIND or tiered) and parts[p, PT_LRU_KEPT] == 1  # relink each use
+    relinks = not lfu and (mode != MODE_FIND or tiered)  # the call's uses move rows in the LRU order
+    linked = relinks and parts[p, PT_LRU_KEPT] == 1  # the list is kept: a row used leaves it until the end
     s0 = parts[p, PT_SLOT_START]
     ns = parts[p, PT_SLOT_COUNT]
     n = hi - lo
@@ -431,6 +559,8 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     row_of = np.empty(nd, np.int32)  # distinct key -> row (-1: absent / not admitted)
     slot_of = np.empty(nd, np.int32)  # distinct key -> unique index (-1 likewise)
     guess_of = np.empty(nd, np.int32)  # the row each key's tag points at, read once for the prefetches
+    pend = np.empty(nd, np.int32)  # distinct keys waiting for the row of an eviction
+    npend = 0
     nuniq = 0
     for u in range(nd):
         ahead = u + PREFETCH_SLOT
@@ -442,7 +572,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
             tag = _tag(h, row_bits)
             s = scale32(h, ns)
             e = np.int64(index[s0 + s])
-            while e >= 0 and (e & ~rows_part) != tag:  # written out: an inlined _probe would take reference counts here
+            while e >= 0 and (e & tags) != tag:  # written out: an inlined _probe would take reference counts here
                 s = s + 1 if s + 1 < ns else 0
                 e = np.int64(index[s0 + s])
             guess = _entry_row(e, row_bits)
@@ -455,7 +585,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         ahead = u + PREFETCH_LINKS
         if PREFETCH_ROW <= ahead < nd and linked:
             guess = guess_of[ahead]
-            if guess >= 0:  # the LRU neighbours this key's touch will relink
+            if guess >= 0:  # the LRU neighbours this key's unlinking will write
                 prv = r32[guess, meta + M_PREV]
                 nxt = r32[guess, meta + M_NEXT]
                 if prv >= 0:
@@ -483,59 +613,34 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                     if width > LINE_FLOATS:
                         prefetch_cell_for_write(rows, ahead, width - 1)
                     prefetch_cell_for_write(r32, ahead, 0)
-            else:
-                if lfu:
-                    r = _lfu_victim(r32, meta, parts, p, epoch)
-                else:
-                    if not linked:  # the first eviction of this partition
-                        link_lru_from_stamps(r32, meta, parts, p)
-                        linked = True
-                    r = parts[p, PT_TAIL]
-                    if r32[r, meta + M_STAMP] == epoch:
-                        r = -1
-                if r < 0:
-                    return nuniq, ERR_FULL
-                if tiered:  # the victim goes to disk; on_disk stays valid: a put moves no record
-                    tier_put(tier, p, r64[r, kcol], rows, r, r32, meta, M_COUNT, M_CLOCK)
-                _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns,
-                                                       index_hash(r64[r, kcol]), row_bits), s0, ns, row_bits)
-                if linked:
-                    _lru_unlink(r32, meta, parts, p, r)
-                    _prefetch_next_victims(rows, r32, r64, index, parts, p, meta, s0, ns, row_bits)
-                parts[p, PT_EVICTED] += 1
-                slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
-            index[slot] = _entry(r, h, row_bits)
-            r64[r, kcol] = key
-            if on_disk >= 0:
-                tier_take(tier, p, on_disk, rows, r, r32, meta, M_COUNT, M_CLOCK)
-            else:
-                _init_row(rows, r, key, seed, icfg, fcfg)
-                r32[r, meta + M_COUNT] = 0
-                r32[r, meta + M_CLOCK] = 0
-                parts[p, PT_INSERTED] += 1
-            if linked:
-                _lru_push_head(r32, meta, parts, p, r)
+                _fill_row(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, fcfg, seed, tier)
+            else:  # full: the row comes from an eviction once every key is probed
+                pend[npend] = u
+                npend += 1
         else:
             if tiered:
                 tier[3][p, TP_HITS] += 1
             if linked:
-                _lru_touch(r32, meta, parts, p, r)
-        if mode != MODE_FIND:  # a training use: read-only lookups leave recency and counts alone
-            c = r32[r, meta + M_COUNT] + mult[u]
-            r32[r, meta + M_COUNT] = c
-            if c >= _COUNT_CEILING:
-                _age_counts(r32, meta, parts, p)
-            r32[r, meta + M_STAMP] = epoch  # in use by this batch: not evictable until the next
-            r32[r, meta + M_SLOT] = ubase + nuniq
-        elif tiered:  # a read-only lookup may take rows from disk, evicting: the rows it returns stay
-            r32[r, meta + M_STAMP] = epoch
-            r32[r, meta + M_SLOT] = ubase + nuniq
+                _lru_unlink(r32, meta, parts, p, r)
+        if r >= 0:
+            _mark_use(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, ubase + nuniq)
         uniq_rows[ubase + nuniq] = r
         row_of[u] = r
         slot_of[u] = ubase + nuniq
         nuniq += 1
+    err = 0
+    if npend > 0:
+        err = _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg,
+                         fcfg, seed, epoch, mode, uniq_rows, tier)
+    if relinks and parts[p, PT_LRU_KEPT] == 1:  # the call's rows, most recent at the head
+        for i in range(nuniq):
+            r = uniq_rows[ubase + i]
+            if r >= 0:
+                _lru_push_head(r32, meta, parts, p, r)
     if tiered:
         tier[3][p, TP_LOOKUPS] += nd
+    if err != 0:
+        return nuniq, err
     use_order = order.shape[0] > 0
     base = np.uint64(lo)
     for jj in range(n):  # unsigned indices: no negative-index wrap per access (see dedupe)
@@ -847,7 +952,7 @@ def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp):
                 rows[r, j] = rows[last, j]
             for j in range(META_WIDTH):
                 r32[r, meta + j] = r32[last, meta + j]
-            index[slot] = _entry(r, h, row_bits)
+            index[slot] = _entry(r, h, row_bits, slot - s0, ns)
             if linked:
                 _lru_relink_moved(r32, meta, parts, p, r)
             # row r now holds the moved row: look at it again
@@ -872,6 +977,6 @@ def rebuild_index(r64, index, parts, meta, row_bits):
             slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
             if index[slot] >= 0:
                 return r  # a duplicate key: the rows are not a valid store
-            index[slot] = _entry(r, h, row_bits)
+            index[slot] = _entry(r, h, row_bits, slot - s0, ns)
     return -1
 

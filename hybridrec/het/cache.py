@@ -331,7 +331,7 @@ def begin_read(keys, staleness, keep, kcache, index, cs, cc, acc, stamp, freq, t
             _index_delete(index, kcache, 0, _probe(index, kcache, 0, old, 0, ns, index_hash(old), row_bits), 0, ns,
                           row_bits)
             slot = _probe(index, kcache, 0, key, 0, ns, h, row_bits)
-        index[slot] = _entry(r, h, row_bits)
+        index[slot] = _entry(r, h, row_bits, slot, ns)
         kcache[r, 0] = key
         stamp[r] = now
         cs[r] = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 
@@ -49,7 +50,11 @@ def main() -> None:
     args = p.parse_args()
     if args.page_budget_mb is not None:
         disk_tier.PAGE_BUDGET = args.page_budget_mb << 20
-    import lmdb
+    try:
+        import lmdb
+    except ImportError:
+        sys.exit("tier_kv_candidates.py: needs the py-lmdb package (import lmdb failed), which no hybridrec extra "
+                 "installs: pip install lmdb")
 
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 2**63, args.rows, dtype=np.uint64)

@@ -7,6 +7,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from hybridrec.embedding import EmbeddingStore
+from hybridrec.embedding import kernels as K
+from hybridrec.embedding.hashing import index_hash
 from hybridrec.embedding.store import S_EPOCH
 
 KEYS = st.integers(min_value=0, max_value=40).map(lambda k: (k * 0x9E3779B97F4A7C15) % 2**64)
@@ -163,3 +165,27 @@ def test_lru_order_survives_the_restart_of_the_epoch_count():
     for key in (100, 101, 102):
         store.lookup(np.array([key], np.uint64))
     assert set(store.keys().tolist()) == {2, 3, 4, 5, 6, 100, 101, 102}
+
+
+def test_index_keeps_every_key_when_many_share_a_home_slot():
+    """An index entry records how far past its key's home slot it sits, up to a cap (then the
+    deletion reads the key): keys sharing one home slot make a run longer than the cap, and
+    evicting them in any order must leave every other key found at its row."""
+    capacity = 64
+    store = EmbeddingStore(dim=2, capacity=capacity, eviction="lru")
+    model = OrderedDict()
+    first = list(range(1, capacity + 1))
+    store.lookup(np.array(first, np.uint64))  # full: the index has its final size
+    _use_in_lru_model(model, first, capacity)
+    ns = int(store.parts[0, K.PT_SLOT_COUNT])
+    home = lambda key: ((int(index_hash(np.uint64(key))) & 0xFFFFFFFF) * ns) >> 32  # hashing.scale32
+    sharing = [key for key in range(1000, 1000 + 40 * ns) if home(key) == 3][:2 * (1 << K.DISP_BITS)]
+    assert len(sharing) == 2 * (1 << K.DISP_BITS)
+    rng = np.random.default_rng(0)
+    batches = [sharing[i:i + 8] for i in range(0, len(sharing), 8)]
+    batches += [rng.permutation(sharing)[:8].tolist(), list(range(5000, 5040)), list(range(6000, 6040))]
+    for batch in batches:
+        store.lookup(np.array(batch, np.uint64))
+        _use_in_lru_model(model, batch, capacity)
+        assert set(store.keys().tolist()) == set(model)
+        _check_index(store)
