@@ -471,8 +471,9 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
     """Give the distinct keys pend[:npend] of a full partition the rows of as many evicted ones,
     after every key of the call was probed (the rows the call uses are out of reach by then);
     returns an error code. Under LRU the victims are cut off the list's tail at once (the walk
-    requests their index slots), then evicted in order, each requesting the row lines of the
-    victim EVICT_AHEAD further for writing."""
+    requests their index slots), then evicted in order, each requesting what the eviction
+    EVICT_AHEAD further touches: the victim's row lines (for writing), metadata and index slot,
+    and the index slot of the key taking its row."""
     meta = icfg[IC_META]
     kcol = meta // 2
     row_bits = icfg[IC_ROW_BITS]
@@ -496,10 +497,14 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
             hv = index_hash(r64[r, kcol])
         else:
             ahead = i + EVICT_AHEAD
-            if ahead < npend:
-                prefetch_cell_for_write(rows, victims[ahead], 0)
+            if ahead < npend:  # (the walk requested the index slots too, but long before)
+                v = victims[ahead]
+                prefetch_cell_for_write(rows, v, 0)
                 if width > LINE_FLOATS:
-                    prefetch_cell_for_write(rows, victims[ahead], width - 1)
+                    prefetch_cell_for_write(rows, v, width - 1)
+                prefetch_row(r32, v)
+                prefetch_row(index, s0 + scale32(vhash[ahead], ns))
+                prefetch_row(index, s0 + scale32(uhash[pend[ahead]], ns))
             r = victims[i]
             hv = vhash[i]
         if tiered:
