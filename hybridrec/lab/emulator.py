@@ -136,7 +136,23 @@ def _required(step: int, bound: int, workers: int) -> np.ndarray:
     return np.full(workers, max(0, step - bound), np.int64)
 
 
+def _round(job: _Job, side, dense: AveragedDense, step: int, order: list[int], batches, looked: dict,
+           progress: _Progress) -> None:
+    """A lockstep round on the workers' reads: forward and backward of each, one averaged dense
+    step, then each worker's embedding update waits (or, under het, accumulates)."""
+    dense.begin_round()
+    inputs = {w: job.step(side, dense.model, step, batches[w], looked[w]) for w in order}
+    dense.finish_round(job.workers)
+    for w in order:
+        side.after_backward(w, step, looked[w], inputs[w])
+    progress.trained(sum(batch.batch_size for batch in batches))
+
+
 def _lockstep(job: _Job, side, dense: AveragedDense, schedule: Schedule, bound: int, progress: _Progress) -> None:
+    events = schedule.timeline()
+    if events is not None:
+        _lockstep_in_time(job, side, dense, schedule, events, bound, progress)
+        return
     workers = job.workers
     for step, batches in enumerate(job.rounds()):
         order = schedule.order(range(workers), step)
@@ -144,12 +160,62 @@ def _lockstep(job: _Job, side, dense: AveragedDense, schedule: Schedule, bound: 
         for w in order:
             side.prepare_read(w, step, _required(step, bound, workers), schedule)
             looked[w] = side.read(w, step, batches[w])
-        dense.begin_round()
-        inputs = {w: job.step(side, dense.model, step, batches[w], looked[w]) for w in order}
-        dense.finish_round(workers)
-        for w in order:
-            side.after_backward(w, step, looked[w], inputs[w])
-        progress.trained(sum(batch.batch_size for batch in batches))
+        _round(job, side, dense, step, order, batches, looked, progress)
+
+
+def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, schedule, events: list, bound: int,
+                      progress: _Progress) -> None:
+    """A recorded lockstep job replayed in the order its reads and updates happened: each read
+    when the job made it, ahead of its round's dense step (and of other workers' reads of earlier
+    rounds) as far as the job's was; each update when it landed, its round's dense step run
+    first (a job's update follows every read of its round). Rounds the events leave untrained run
+    at the end. A read the bound requires more of sees those updates applied first; a read the
+    job made too late for the replay (after its round's dense step had to run) is made at that
+    round; both count in the schedule's departures."""
+    workers = job.workers
+    rounds = job.rounds()
+    batches: list = []  # per round, the workers' batches (None once trained)
+    looked: dict = {}  # (worker, step) -> its read, until its round trains
+    trained = 0
+
+    def round_of(step: int):
+        while len(batches) <= step:
+            following = next(rounds, None)
+            if following is None:
+                return None
+            batches.append(following)
+        return batches[step]
+
+    def read(w: int, step: int) -> None:
+        required = _required(step, bound, workers)
+        if required[0] > trained:  # updates the bound requires must have been computed first
+            train_through(int(required[0]) - 1)
+        if (side.applied < required).any():
+            side.catch_up(required, schedule)
+        schedule.note_applied(schedule.seen(w, step, workers), side.applied)
+        looked[w, step] = side.read(w, step, batches[step][w])
+
+    def train_through(last: int | None) -> None:
+        nonlocal trained
+        while (last is None or trained <= last) and round_of(trained) is not None:
+            order = schedule.order(range(workers), trained)
+            for w in order:
+                if (w, trained) not in looked:
+                    read(w, trained)
+            _round(job, side, dense, trained, order, batches[trained],
+                   {w: looked.pop((w, trained)) for w in order}, progress)
+            batches[trained] = None
+            trained += 1
+
+    for kind, w, index in events:
+        if kind == "read":
+            if index >= trained and (w, index) not in looked and round_of(index) is not None:
+                read(w, index)
+        else:
+            train_through(index)
+            if side.applied[w] == index < side.computed[w]:  # not applied earlier for a bound
+                side.apply(w)
+    train_through(None)
 
 
 def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule: Schedule, bound: int,
@@ -230,6 +296,9 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
     job = _Job(cfg, workers)
     name = discipline.name
     if name == "het":
+        if schedule.timeline() is not None:
+            raise UserError("het: a recorded schedule replays sync, hybrid and async jobs; HET's caches decide "
+                            "themselves what a read sees")
         side = HetCaches(job.placement, job.tables, cfg.strategy.het, discipline.bound, workers, observer)
     else:
         side = SharedEmbeddings(job.placement, workers, observer)

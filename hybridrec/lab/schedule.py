@@ -20,7 +20,8 @@ The emulator asks the schedule, in a fixed order, for:
   reads and writes of the group's dense copy, each member's write after its own read.
 
 `RecordedSchedule` (hybridrec.lab.trace) answers `visible` and `order` from a real job's recorded
-staleness instead.
+staleness instead, and gives a lockstep replay the job's reads and updates in time order
+(`timeline`).
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class Schedule:
         # successes before the first failure, capped by the room: geometric(1 - p) - 1
         extra = self.rng.geometric(1.0 - self.visibility, size=room.shape) - 1
         return required + np.minimum(extra, room)
+
+    def timeline(self) -> list[tuple[str, int, int]] | None:
+        """A recorded job's reads and updates in the order they happened (`RecordedSchedule`);
+        None: a seeded schedule answers the questions above one by one."""
+        return None
 
     def note_applied(self, targets: np.ndarray, applied: np.ndarray) -> None:
         """A read was to see `targets` of each worker's updates and saw `applied` (a seeded schedule

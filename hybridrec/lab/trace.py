@@ -9,9 +9,13 @@ dense_trace.npz: hybridrec.persia.staleness) and answers the emulator's question
 * extra updates land in the order they landed in the job;
 * (async) a step's dense copy holds the pushes acknowledged before its pull was sent.
 
-Where the job saw something the emulator cannot replay (a read that saw fewer updates than an
-earlier read had already applied: the stores cannot un-apply), the read sees more, and
-`departures` counts the updates by which reads differ from the job's.
+A lockstep job (sync, hybrid) is replayed from `timeline()`: every read and every update in the
+order they happened, so a trainer's read that ran ahead of another trainer's read of an earlier
+step (up to tau + 1 rounds ahead under hybrid) is made ahead of it too. The free-running replay
+(async) answers `visible` read by read in step order instead. Where the job saw something the
+emulator cannot replay (a read that saw fewer updates than an earlier read had already applied:
+the stores cannot un-apply), the read sees more, and `departures` counts the updates by which
+reads differ from the job's.
 """
 from __future__ import annotations
 
@@ -73,15 +77,26 @@ class RecordedSchedule(Schedule):
         workers = list(workers)
         return sorted(workers, key=lambda w: (self._when(w, round_index), w))
 
+    def seen(self, worker: int, step: int, workers: int) -> np.ndarray:
+        """Per worker, how many of its updates had landed when the job served `worker`'s read of
+        `step` (counted as one read of the replay)."""
+        when = self._when(worker, step)
+        self.reads += 1
+        return np.array([np.searchsorted(self.apply_time[w], when) if w < self.workers else 0
+                         for w in range(workers)], np.int64)
+
     def visible(self, required: np.ndarray, available: np.ndarray, worker: int = -1, step: int = -1) -> np.ndarray:
         required = np.minimum(np.asarray(required, np.int64), available)
         if worker < 0:
             return required
-        when = self._when(worker, step)
-        seen = np.array([np.searchsorted(self.apply_time[w], when) if w < self.workers else 0
-                         for w in range(len(required))], np.int64)
-        self.reads += 1
-        return np.clip(seen, required, available)
+        return np.clip(self.seen(worker, step, len(required)), required, available)
+
+    def timeline(self) -> list[tuple[str, int, int]]:
+        """Every recorded read and update as ("read", worker, step) and ("apply", worker, i-th
+        update of that worker), in the order they happened (at equal times updates first)."""
+        events = [(t, 0, "apply", w, i) for w, times in enumerate(self.apply_time) for i, t in enumerate(times)]
+        events += [(t, 1, "read", w, i) for w, times in enumerate(self.read_time) for i, t in enumerate(times)]
+        return [(kind, w, i) for _, _, kind, w, i in sorted(events)]
 
     def note_applied(self, targets: np.ndarray, applied: np.ndarray) -> None:
         """The emulator applied `applied` where the job's read saw `targets`."""

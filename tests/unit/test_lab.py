@@ -166,3 +166,33 @@ def test_a_wrong_discipline_is_refused_naming_what_is_allowed(spec, message):
 def test_groups_that_do_not_divide_the_workers_are_refused(tmp_path):
     with pytest.raises(UserError, match="groups 3 do not divide 4 workers"):
         emulate(small_config(tmp_path, **ROWS), parse("ht:groups=3"), 4)
+
+
+def _ahead_trace(rounds: int) -> list[dict]:
+    """Two trainers' recorded times (midpoints, seconds): round s's dense step ends at 10s + 5, each
+    trainer's update of round s lands at 10s + 6 (trainer 0) and 10s + 7 (trainer 1); trainer 0
+    reads two rounds ahead (its step t at 10(t-2) + 6.2, before trainer 1's update of round t-2
+    lands), trainer 1 one round ahead (its step t at 10(t-1) + 7.5): trainer 0's read of step t
+    comes before trainer 1's read of step t-1, with an update between them."""
+    def pairs(mids, half):
+        return np.array([(m - half, m + half) for m in mids], np.float64).reshape(-1, 2)
+    reads = [[10 * (t - 2) + 6.2 for t in range(rounds)], [10 * (t - 1) + 7.5 for t in range(rounds)]]
+    applies = [[10 * s + 6 + q for s in range(rounds)] for q in range(2)]
+    return [{"lookups": pairs(reads[q], 0.1), "updates": pairs(applies[q], 0.4)} for q in range(2)]
+
+
+def test_a_replay_makes_each_read_when_the_job_made_it_even_ahead_of_another_trainers_earlier_step(tmp_path):
+    from hybridrec.lab.trace import RecordedSchedule
+
+    trace = _ahead_trace(16)  # FOUR's rows give 2 workers 16 rounds
+    schedule = RecordedSchedule(trace)
+    saw = {}
+    emulate(small_config(tmp_path, **FOUR), parse(f"hybrid:tau={1 << 30}"), 2, schedule,
+            observer=lambda event, worker, step, applied=None, **_: event == "read" and
+            saw.setdefault((worker, step), applied.tolist()))
+    assert len(saw) == 32
+    for (worker, step), applied in saw.items():
+        when = trace[worker]["lookups"][step].mean()
+        assert applied == [int(np.searchsorted(trace[q]["updates"].mean(axis=1), when)) for q in range(2)], (worker,
+                                                                                                           step)
+    assert schedule.departures == 0
