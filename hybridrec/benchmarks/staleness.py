@@ -24,8 +24,8 @@ async at least 0.3% below").
 reads (hybridrec.lab.trace) with the same config and seed. Reported: the AUCs of both, their
 medians per discipline and the largest difference of medians (target: within 0.005).
 
-`--out FILE.jsonl` appends every run as it finishes and skips the runs it already holds, so a
-long sweep continues where it stopped. `--plot FILE.png`: the gap to sync against tau per W and
+`--out FILE.jsonl` appends every run (and oracle check) as it finishes and skips the runs it
+already holds, so a long sweep continues where it stopped. `--plot FILE.png`: the gap to sync against tau per W and
 discipline, and at the claims' cell AUC against samples seen and its difference to sync's. `--json`: one line, `runs`,
 `claims` and `oracle`.
 """

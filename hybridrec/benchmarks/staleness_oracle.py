@@ -9,7 +9,10 @@ the same config, seed and workers, each read seeing the updates the job's read s
 comparison, runs it with the seeded schedule at the sweep's visibility under the discipline's
 nominal bound. Per discipline: the AUCs of the jobs and of the replays, their medians, and how
 many of the job's lookups missed more steps of some trainer than the discipline's bound allows
-(`reads_beyond_bound`: the pipeline bounds a trainer's own updates in flight, not the others').
+(`reads_beyond_bound`: the pipeline bounds a trainer's own updates in flight, not the others'; sync's
+trainers meet at a barrier after each update, so none of sync's may). With `--out`, each check
+(one discipline, one seed) is appended to the file as it finishes and reused from it, as the
+sweep's runs are: seeds run apart (in parallel) are reported together by one run over the file.
 """
 from __future__ import annotations
 
@@ -67,23 +70,30 @@ def oracle_check(args, log) -> dict:
                    "reads_beyond_bound": [], "staleness_cross": [], "seeds": list(args.oracle_seeds)}
             spec, bound = nominal[name]
             for seed in args.oracle_seeds:
-                directory = root / f"oracle-{name}-seed{seed}"
-                sets = [*DISCIPLINES[name], f"seed={seed}", *rows]
-                metrics = run_job(job_args, name, sets, directory)
-                cfg = load_config(args.config, [*args.set, f"seed={seed}", *rows])
-                schedule = RecordedSchedule.from_job(directory, seed)
-                replay = emulate(cfg, parse(replayed[name]), args.oracle_trainers, schedule).result
-                seeded = emulate(cfg, parse(spec), args.oracle_trainers, Schedule(seed, args.visibility)).result
-                beyond, lookups = _reads_beyond(directory, bound)
-                row["distributed_auc"].append(metrics["auc"])
-                row["emulated_auc"].append(replay["auc"])
-                row["seeded_auc"].append(seeded["auc"])
-                row["departures"].append(schedule.departures)
-                row["reads_beyond_bound"].append([beyond, lookups])
-                row["staleness_cross"].append(metrics.get("staleness_cross"))
-                print(f"[bench staleness] oracle {name} seed {seed}: distributed auc {metrics['auc']:.5f}, replayed "
-                      f"{replay['auc']:.5f}, seeded {seeded['auc']:.5f}; {beyond}/{lookups} lookups beyond the bound",
-                      file=sys.stderr, flush=True)
+                key = (f"oracle {name}", args.oracle_trainers, seed, 1.0, 1.0, args.oracle_samples, args.visibility,
+                       "test")
+                check = log.done.get(key)
+                if check is None:
+                    directory = root / f"oracle-{name}-seed{seed}"
+                    sets = [*DISCIPLINES[name], f"seed={seed}", *rows]
+                    metrics = run_job(job_args, name, sets, directory)
+                    cfg = load_config(args.config, [*args.set, f"seed={seed}", *rows])
+                    schedule = RecordedSchedule.from_job(directory, seed)
+                    replay = emulate(cfg, parse(replayed[name]), args.oracle_trainers, schedule).result
+                    seeded = emulate(cfg, parse(spec), args.oracle_trainers, Schedule(seed, args.visibility)).result
+                    check = dict(zip(("label", "workers", "seed", "lr_scale", "dense_lr_scale", "samples_asked",
+                                      "visibility", "evaluated_on"), key),
+                                 distributed_auc=metrics["auc"], emulated_auc=replay["auc"], seeded_auc=seeded["auc"],
+                                 departures=schedule.departures, reads_beyond_bound=list(_reads_beyond(directory, bound)),
+                                 staleness_cross=metrics.get("staleness_cross"))
+                    log.add(check)
+                beyond, lookups = check["reads_beyond_bound"]
+                for field in ("distributed_auc", "emulated_auc", "seeded_auc", "departures", "reads_beyond_bound",
+                              "staleness_cross"):
+                    row[field].append(check[field])
+                print(f"[bench staleness] oracle {name} seed {seed}: distributed auc {check['distributed_auc']:.5f}, "
+                      f"replayed {check['emulated_auc']:.5f}, seeded {check['seeded_auc']:.5f}; {check['departures']} "
+                      f"departures; {beyond}/{lookups} lookups beyond the bound", file=sys.stderr, flush=True)
             row["emulated_median"] = statistics.median(row["emulated_auc"])
             row["distributed_median"] = statistics.median(row["distributed_auc"])
             row["difference"] = row["emulated_median"] - row["distributed_median"]

@@ -75,3 +75,25 @@ def test_a_sweep_without_async_reports_the_hybrid_claim_and_async_as_not_run(cap
                                 for label, auc in (("sync", 0.80), ("hybrid:tau=4", 0.79))])
     staleness.print_report({"cells": staleness.cells(runs), "claims": staleness.claims(runs, 1000, {})})
     assert "hybrid -1.250% (target within 0.1%), async not run" in capsys.readouterr().out
+
+
+def test_oracle_checks_of_seeds_run_apart_are_reported_together_from_the_file(tmp_path):
+    """Each oracle check (a discipline's real job and its replay, one seed) is kept in --out; a run
+    over the file with every seed runs no job and reports the medians of all of them."""
+    from hybridrec.benchmarks.staleness_oracle import oracle_check
+
+    out = tmp_path / "oracle.jsonl"
+    args = staleness.build_parser().parse_args([*TINY, "--oracle-only", "--oracle-seeds", "0,1,2",
+                                                "--oracle-samples", "16384", "--out", str(out)])
+    log = staleness.RunLog(str(out))
+    for seed in (0, 1, 2):
+        for name in ("sync", "hybrid", "async"):
+            log.add({"label": f"oracle {name}", "workers": 4, "seed": seed, "lr_scale": 1.0, "dense_lr_scale": 1.0,
+                     "samples_asked": 16384, "visibility": 0.0, "evaluated_on": "test",
+                     "distributed_auc": 0.7 + 0.01 * seed, "emulated_auc": 0.7 + 0.01 * seed + (0.002 if name == "async"
+                                                                                            else 0.0),
+                     "seeded_auc": 0.7, "departures": 0, "reads_beyond_bound": [0, 64], "staleness_cross": None})
+    oracle = oracle_check(args, staleness.RunLog(str(out)))
+    assert oracle["disciplines"]["hybrid"]["distributed_auc"] == pytest.approx([0.7, 0.71, 0.72])
+    assert oracle["max_median_difference"] == pytest.approx(0.002)
+    assert oracle["within_target"]
