@@ -8,9 +8,13 @@ lookup of a batch and the update of its embeddings at most `tau` later lookups m
 the lookup of the t-th batch waits until the updates of batches 0 .. t-1-tau were acknowledged
 by the PS. Its staleness — this trainer's earlier batches whose updates were not yet applied
 when it was looked up — is measured and is never more than `tau`. `tau = 0` is the synchronous
-discipline: every lookup sees every earlier update of this trainer.
+discipline: every lookup sees every earlier update of this trainer. Other trainers' updates of
+the step before may still be in flight then (each trainer sends its own as soon as its dense step
+ends); `across`, the trainers' barrier, closes that gap for the synchronous discipline with several
+trainers: after each push the training thread waits for its acknowledgement, then for `across()`,
+and only then may the next lookup be sent, so it sees every trainer's updates of every earlier step.
 
-Other trainers' updates interleave freely with this one's (the PS applies pushes as they
+Otherwise other trainers' updates interleave freely with this one's (the PS applies pushes as they
 come, without locks across trainers), as in Persia. The pipeline's `timeline` records when each
 lookup and update was sent and answered, from which the job learns how many steps of every
 trainer each lookup missed (hybridrec.persia.staleness).
@@ -39,16 +43,21 @@ class EmbeddingPipeline:
     `connect` makes a fresh placement connection (one per thread). `skip` batches at the
     start of `batches` are read and dropped (resuming mid-epoch). At most `limit` batches are looked
     up (a run's remaining steps): a lookup inserts keys, so one of a batch that will never be trained
-    would change what the final evaluation reads. Always `close()` (or use `with`).
+    would change what the final evaluation reads. `across` (tau = 0 only): a barrier of every
+    trainer, called on the training thread once a push was acknowledged; the next lookup waits for
+    it. Always `close()` (or use `with`).
     """
 
     def __init__(self, batches: Iterable[Batch], connect: Callable, tau: int, skip: int = 0,
-                 limit: int | None = None):
+                 limit: int | None = None, across: Callable[[], None] | None = None):
         if not isinstance(tau, int) or tau < 0:
             raise ValueError(f"tau must be an int >= 0, got {tau!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
             raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+        if across is not None and tau != 0:
+            raise ValueError(f"across (the trainers' barrier) is for tau = 0, got tau={tau!r}")
         self.tau = tau
+        self._across = across
         self._limit = limit
         self._batches = batches
         self._skip = skip
@@ -60,6 +69,7 @@ class EmbeddingPipeline:
         self._pull_lock = threading.Lock()  # held by a lookup in flight, or by `held()`
         self._handed = 0  # batches given to the dense step (in order)
         self._acked = 0  # of those, batches whose update the PS acknowledged (pushes run in order)
+        self._released = 0  # with `across`: of those, batches after whose update every trainer's were in
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.staleness: list[int] = []
@@ -98,9 +108,9 @@ class EmbeddingPipeline:
                 break
             prepared = connection.prepare(batch)
             with self._cond:  # bounded staleness: wait for the updates of batches <= looked_up-1-tau
-                while looked_up - self._acked > self.tau and not self._stop.is_set():
+                while looked_up - self._done() > self.tau and not self._stop.is_set():
                     self._cond.wait(_POLL)
-                staleness = looked_up - self._acked
+                staleness = looked_up - self._done()
             with self._pull_lock:
                 if self._stop.is_set():
                     return
@@ -139,6 +149,10 @@ class EmbeddingPipeline:
                 self._acked += 1
                 self._cond.notify_all()
 
+    def _done(self) -> int:
+        """Batches whose update the next lookup may count on (the condition's lock is held)."""
+        return self._acked if self._across is None else self._released
+
     # ------------------------------------------------------------------ main thread
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -161,10 +175,23 @@ class EmbeddingPipeline:
         """Queue the gradients of `ready`'s pulled parts (sent in order, in the background)."""
         self._raise_if_failed()
         self._pushes.put((ready.looked, grads))
+        if self._across is not None:
+            self.drain()
+            self._across()
+            self._release()
 
     def skip(self, ready: ReadyBatch) -> None:
-        """`ready` will not be trained (e.g. another rank ran out of data): count it as done."""
+        """`ready` will not be trained (e.g. another rank ran out of data): count it as done
+        (without `across`: the other trainers may have no batch to skip)."""
         self._pushes.put((None, {}))
+        if self._across is not None:
+            self.drain()
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._released = self._acked
+            self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every queued update was acknowledged by the PS."""

@@ -100,6 +100,26 @@ def test_tau_zero_sees_every_earlier_update_and_tau_two_does_not(job, tau):
         assert largest_gap > 1e-3  # some lookups ran ahead of earlier updates
 
 
+def test_with_an_across_barrier_no_lookup_is_sent_before_every_trainers_update_of_the_step_before(job):
+    """Sync with several trainers: `across` (the trainers' barrier) runs after this trainer's update
+    was acknowledged, and the next lookup waits for it to return (each trainer's update of the
+    step before is in by then), not for this trainer's acknowledgement alone."""
+    cfg, placement, _ = job
+    returned = []
+
+    def across():
+        time.sleep(0.01)  # another trainer's update still in flight
+        returned.append(time.time())
+
+    with EmbeddingPipeline(batches(cfg), placement.connect, 0, across=across) as pipeline:
+        for ready in pipeline:
+            pipeline.push(ready, zeros(ready))
+        pipeline.drain(60)
+    sent = [lookup[0] for lookup in pipeline.timeline.lookups]
+    assert len(sent) == len(returned) == 20
+    assert all(sent[t + 1] >= returned[t] for t in range(19))
+
+
 def test_a_failing_pipeline_raises_in_the_training_thread(job):
     cfg, placement, _ = job
     pipeline = EmbeddingPipeline(batches(cfg), placement.connect, 1)

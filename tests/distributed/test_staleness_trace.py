@@ -30,3 +30,16 @@ def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
     replay = emulate(cfg, parse("async:tau=1000000,tau_dense=1000000"), 2, schedule).result
     assert schedule.reads == lookups and replay["samples"] == metrics["samples"]
     assert 0.5 < replay["auc"] < 1
+
+
+def test_a_sync_job_of_two_trainers_looks_up_no_batch_before_both_trainers_updates_of_the_step_before(tmp_path):
+    """Sync reads no stale row: not even the other trainer's update of the step before may still be
+    unacknowledged when a lookup is sent (the histogram counts each lookup's most such steps)."""
+    config = write_config(tmp_path, threads=1)
+    log = tmp_path / "launch.log"
+    code = finish(start_launch(config, log, "--set", "strategy.consistency=sync", "--set",
+                               "data.synthetic.train_rows=16384"), log)
+    assert code == 0, log.read_text()[-3000:]
+    metrics = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert metrics["staleness_cross"]["count"] == 16384 // 256
+    assert metrics["staleness_cross"]["max"] == 0

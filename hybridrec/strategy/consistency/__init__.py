@@ -20,6 +20,8 @@ from hybridrec.persia.staleness import StalenessTelemetry
 
 class Consistency:
     tau = 0
+    synchronous = False  # every lookup sees every trainer's earlier updates (sync), not only its own
+    lockstep = False  # the trainers take every step together (the dense sync's; set by the Strategy)
 
     def __init__(self, cfg, tables, world, services):
         self.cfg, self.tables, self.world, self.services = cfg, tables, world, services
@@ -27,7 +29,9 @@ class Consistency:
 
     def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
         if self.services.background_lookups:
-            pipeline = EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit)
+            # synchronous lockstep trainers meet at a barrier after each update, before the next lookup
+            across = self.world.barrier if self.synchronous and self.lockstep and self.world.size > 1 else None
+            pipeline = EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit, across=across)
             self.telemetry.add(pipeline.timeline)
             return pipeline
         if self.tau:
