@@ -211,17 +211,34 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
         if kind == "read":
             if index >= trained and (w, index) not in looked and round_of(index) is not None:
                 read(w, index)
-        else:
+        elif kind == "apply":
             train_through(index)
             if side.applied[w] == index < side.computed[w]:  # not applied earlier for a bound
                 side.apply(w)
     train_through(None)
 
 
+def _free_step(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule, w: int, c: int, batch, looked,
+               dense_bound: int, oldest: int, progress: _Progress) -> None:
+    """Worker w's step c of a free-running run: its gradient on the dense version the schedule
+    lets it read, applied to the central copy (versions no later step may read dropped, `oldest`:
+    the lowest iteration a step may still take), then its embedding update waits."""
+    required = dense.required_version(c - dense_bound)
+    dense.begin_step(schedule.dense_version(required, dense.version, w, c))
+    inputs = job.step(side, dense.model, c, batch, looked)
+    dense.finish_step(c, dense.required_version(oldest - dense_bound))
+    side.after_backward(w, c, looked, inputs)
+    progress.trained(batch.batch_size)
+
+
 def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule: Schedule, bound: int,
                   dense_bound: int, speeds: bool, progress: _Progress) -> None:
     """async (`speeds` False: rounds, each worker once in a random order) and SSP (`speeds`: one
     step at a time of a worker chosen by speed among those within the bound)."""
+    events = schedule.timeline()
+    if events is not None and not speeds:
+        _free_running_in_time(job, side, dense, schedule, events, bound, dense_bound, progress)
+        return
     workers = job.workers
     streams = [job.stream(w) for w in range(workers)]
     iteration = np.zeros(workers, np.int64)
@@ -242,14 +259,64 @@ def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedu
             c = int(iteration[w])
             side.prepare_read(w, c, _required(c, bound, workers), schedule)
             looked = side.read(w, c, batch, expected=np.minimum(side.computed, c))
-            required = dense.required_version(c - dense_bound)
-            dense.begin_step(schedule.dense_version(required, dense.version, w, c))
-            inputs = job.step(side, dense.model, c, batch, looked)
             oldest = min((int(iteration[a]) + (a == w) for a in active), default=c + 1)
-            dense.finish_step(c, dense.required_version(oldest - dense_bound))
-            side.after_backward(w, c, looked, inputs)
+            _free_step(job, side, dense, schedule, w, c, batch, looked, dense_bound, oldest, progress)
             iteration[w] += 1
-            progress.trained(batch.batch_size)
+
+
+def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule, events: list,
+                          bound: int, dense_bound: int, progress: _Progress) -> None:
+    """A recorded async job replayed in the order its events happened: each embedding read when
+    the job's lookup was served (ahead of the worker's step, as far as the job's pipeline ran), each
+    step when its dense pull was sent (on the version holding the pushes acknowledged by then),
+    each embedding update when it landed (its step computed first). Steps the events leave
+    untrained run at the end, the workers in turn; departures as in `_lockstep_in_time`."""
+    workers = job.workers
+    streams = [job.stream(w) for w in range(workers)]
+    batches: list[dict] = [{} for _ in range(workers)]  # per worker, step -> batch, read from its stream ahead
+    looked: dict = {}  # (worker, step) -> its read, until the step runs
+    iteration = np.zeros(workers, np.int64)
+    ended = [None] * workers  # per worker, its number of steps once its stream ran out
+
+    def batch_of(w: int, c: int):
+        while ended[w] is None and c not in batches[w] and len(batches[w]) + int(iteration[w]) <= c:
+            following = next(streams[w], None)
+            if following is None:
+                ended[w] = len(batches[w]) + int(iteration[w])
+            else:
+                batches[w][len(batches[w]) + int(iteration[w])] = following
+        return batches[w].get(c)
+
+    def read(w: int, c: int) -> None:
+        required = _required(c, bound, workers)
+        if (side.applied < np.minimum(required, side.computed)).any():
+            side.catch_up(required, schedule)
+        schedule.note_applied(schedule.seen(w, c, workers), side.applied)
+        looked[w, c] = side.read(w, c, batches[w][c], expected=np.minimum(side.computed, c))
+
+    def run_through(w: int, last: int | None) -> None:
+        while (last is None or iteration[w] <= last) and batch_of(w, int(iteration[w])) is not None:
+            c = int(iteration[w])
+            if (w, c) not in looked:
+                read(w, c)
+            oldest = min(int(iteration[a]) + (a == w) for a in range(workers) if ended[a] is None or iteration[a] < ended[a])
+            _free_step(job, side, dense, schedule, w, c, batches[w].pop(c), looked.pop((w, c)), dense_bound,
+                       oldest, progress)
+            iteration[w] += 1
+
+    for kind, w, index in events:
+        if kind == "read":
+            if index >= iteration[w] and (w, index) not in looked and batch_of(w, index) is not None:
+                read(w, index)
+        elif kind == "step":
+            run_through(w, index)
+        else:
+            run_through(w, index)
+            if side.applied[w] == index < side.computed[w]:
+                side.apply(w)
+    while any(batch_of(w, int(iteration[w])) is not None for w in range(workers)):
+        for w in range(workers):
+            run_through(w, int(iteration[w]))
 
 
 def _groups(job: _Job, side: SharedEmbeddings, dense: GroupCopies, schedule: Schedule, bound: int,

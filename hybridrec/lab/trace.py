@@ -9,10 +9,9 @@ dense_trace.npz: hybridrec.persia.staleness) and answers the emulator's question
 * extra updates land in the order they landed in the job;
 * (async) a step's dense copy holds the pushes acknowledged before its pull was sent.
 
-A lockstep job (sync, hybrid) is replayed from `timeline()`: every read and every update in the
-order they happened, so a trainer's read that ran ahead of another trainer's read of an earlier
-step (up to tau + 1 rounds ahead under hybrid) is made ahead of it too. The free-running replay
-(async) answers `visible` read by read in step order instead. Where the job saw something the
+A job is replayed from `timeline()`: every read and every update in the order they happened (and
+under async every step at its dense pull), so a trainer's read that ran ahead of another trainer's
+read of an earlier step (up to tau + 1 rounds ahead) is made ahead of it too. Where the job saw something the
 emulator cannot replay (a read that saw fewer updates than an earlier read had already applied:
 the stores cannot un-apply), the read sees more, and `departures` counts the updates by which
 reads differ from the job's.
@@ -93,9 +92,12 @@ class RecordedSchedule(Schedule):
 
     def timeline(self) -> list[tuple[str, int, int]]:
         """Every recorded read and update as ("read", worker, step) and ("apply", worker, i-th
-        update of that worker), in the order they happened (at equal times updates first)."""
+        update of that worker), and for ps_async each step's dense pull as ("step", worker, step),
+        in the order they happened (at equal times updates first)."""
         events = [(t, 0, "apply", w, i) for w, times in enumerate(self.apply_time) for i, t in enumerate(times)]
         events += [(t, 1, "read", w, i) for w, times in enumerate(self.read_time) for i, t in enumerate(times)]
+        for w, times in enumerate(self.pull_sent or []):
+            events += [(t, 2, "step", w, i) for i, t in enumerate(times)]
         return [(kind, w, i) for _, _, kind, w, i in sorted(events)]
 
     def note_applied(self, targets: np.ndarray, applied: np.ndarray) -> None:

@@ -181,13 +181,14 @@ def _ahead_trace(rounds: int) -> list[dict]:
     return [{"lookups": pairs(reads[q], 0.1), "updates": pairs(applies[q], 0.4)} for q in range(2)]
 
 
-def test_a_replay_makes_each_read_when_the_job_made_it_even_ahead_of_another_trainers_earlier_step(tmp_path):
+@pytest.mark.parametrize("spec", [f"hybrid:tau={1 << 30}", f"async:tau={1 << 30},tau_dense={1 << 30}"])
+def test_a_replay_makes_each_read_when_the_job_made_it_even_ahead_of_another_trainers_earlier_step(tmp_path, spec):
     from hybridrec.lab.trace import RecordedSchedule
 
     trace = _ahead_trace(16)  # FOUR's rows give 2 workers 16 rounds
     schedule = RecordedSchedule(trace)
     saw = {}
-    emulate(small_config(tmp_path, **FOUR), parse(f"hybrid:tau={1 << 30}"), 2, schedule,
+    emulate(small_config(tmp_path, **FOUR), parse(spec), 2, schedule,
             observer=lambda event, worker, step, applied=None, **_: event == "read" and
             saw.setdefault((worker, step), applied.tolist()))
     assert len(saw) == 32
