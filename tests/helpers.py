@@ -152,6 +152,31 @@ def no_role_left(config: Path) -> bool:
     return not processes_with(str(config))
 
 
+def scale_job(run: Path, count: int, log: Path, seconds: float = JOB_SECONDS) -> dict:
+    """`hybridrec scale RUN --ps COUNT --json`: the launcher's status once the buckets moved."""
+    done = subprocess.run([sys.executable, "-m", "hybridrec.cli", "scale", str(run), "--ps", str(count), "--json"],
+                          capture_output=True, text=True, timeout=seconds)
+    assert done.returncode == 0, done.stderr + log.read_text()[-3000:]
+    return json.loads(done.stdout)
+
+
+def elastic_status(run: Path) -> dict:
+    """The status the launcher's control channel answers (servers, routing version, moves,
+    failovers), asked with the job key the launcher wrote."""
+    from hybridrec.comm.transport import Client
+    from hybridrec.parallel.scale import control_channel
+
+    address, key = control_channel(run)
+    with Client(address, timeout=60, retries=0, key=key) as client:
+        return client.request("status").meta
+
+
+def interrupt(launcher: subprocess.Popen, log: Path, seconds: float = 120) -> int:
+    """SIGTERM a launcher (a job made longer than the test needs) and its exit code (130)."""
+    launcher.send_signal(signal.SIGTERM)
+    return finish(launcher, log, int(seconds) - 60)
+
+
 def kill_a_trainer_after_a_checkpoint(config: Path, run: Path, log: Path, steps: int = 25,
                                       seconds: float = JOB_SECONDS) -> None:
     """Once the run has a checkpoint and `steps` steps, SIGKILL one trainer process (not torchrun)."""

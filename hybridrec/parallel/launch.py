@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Sequence, TextIO
 from hybridrec.axes import server_roles
 from hybridrec.parallel.host import new_job_id, remove_dead_jobs_shared_memory, remove_shared_memory
 from hybridrec.parallel.progress_relay import ProgressRelay
-from hybridrec.parallel.scale import ScaleControl
+from hybridrec.parallel.scale import ScaleControl, SupervisedServers
 from hybridrec.parallel.roles import build_roles, check_arguments, check_config, group_ps_layout, role_counts
 from hybridrec.parallel.supervisor import Supervisor
 
@@ -93,7 +93,7 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
         supervisor = Supervisor(plan.roles, out=out, grace=grace, writer=relay)
         supervisor.on_teardown.append(relay.close)
         supervisor.on_teardown.append(lambda: remove_shared_memory(plan.shm_names, tables))
-        control = ScaleControl(cfg, plan, supervisor, tables, job=plan.job) if elastic else None
+        control = ScaleControl(cfg, plan, SupervisedServers(supervisor, plan), tables, job=plan.job) if elastic else None
         servers = "".join(f"{count} {what} ({', '.join(addresses)}), " for count, what, addresses in (
             (ps, "PS", plan.ps_addresses), (embedding_workers, "embedding worker(s)", plan.embedding_worker_addresses),
             (len(plan.group_ps_addresses), "group PS(s)", plan.group_ps_addresses)) if count)

@@ -60,21 +60,52 @@ def fixed_reason(cfg) -> str | None:
     return None
 
 
-class ScaleControl:
-    """The elastic PS tier of one launched job (see the module docstring)."""
+class SupervisedServers:
+    """The PS servers of a job under `hybridrec launch`: processes its supervisor runs. What
+    `ScaleControl` needs of a launcher (the Ray launcher has the same methods, for actors)."""
 
-    def __init__(self, cfg, plan, supervisor: Supervisor, tables: Sequence[str], *, job: str):
+    def __init__(self, supervisor: Supervisor, plan):
+        self.supervisor, self.plan = supervisor, plan
+        self.log = supervisor.log
+
+    def pids(self) -> dict[str, int]:
+        """The process of each role; a PS whose pid changed was restarted (lost)."""
+        return self.supervisor.pids()
+
+    def start_ps(self, name: str, template: Role, shm_name: str) -> str:
+        """Start PS server `name` like `template` on a free port; its address once it serves."""
+        host = _flag(template.argv, "--host")
+        port = free_ports(1, host)[0]
+        argv = _set_flag(_set_flag(list(template.argv), "--port", str(port)), "--shm-name", shm_name)
+        self.plan.shm_names.append(shm_name)  # deleted with the job's
+        ready = self.supervisor.add_service(_with_argv(template, argv, name))
+        if not ready.wait(READY_SECONDS):
+            raise RuntimeError(f"{name} did not report ready within {READY_SECONDS:g}s")
+        return f"tcp://{dial_host(host)}:{port}"
+
+    def retire(self, name: str) -> None:
+        self.supervisor.retire(name)
+
+
+class ScaleControl:
+    """The elastic PS tier of one launched job (see the module docstring). `servers` starts
+    and stops its PS servers (`SupervisedServers`, or the Ray launcher); `addresses`: where the
+    job's PS servers serve (default: the plan's); `key`: the job key (default: the roles')."""
+
+    def __init__(self, cfg, plan, servers, tables: Sequence[str], *, job: str,
+                 addresses: Sequence[str] | None = None, key: JobKey | None | str = "roles"):
         from hybridrec.ps.migration import Coordinator
 
-        self.cfg, self.plan, self.supervisor, self.job = cfg, plan, supervisor, job
+        self.cfg, self.plan, self.servers, self.job = cfg, plan, servers, job
         self.replicas = cfg.strategy.ps_replicas
         env = next((role.env for role in plan.roles if role.env is not None), None)
-        self.key = key_from_environment(env)  # None (roles inheriting ours): the one ours configures, if any
+        # None (roles inheriting ours): the one ours configures, if any
+        self.key = key_from_environment(env) if key == "roles" else key
         self.output_dir = Path(cfg.train.output_dir).resolve()
-        self.roles = {f"ps{i}": role for i, role in enumerate(plan.roles[:len(plan.ps_addresses)])}
-        self.addresses = {f"ps{i}": a for i, a in enumerate(plan.ps_addresses)}
-        self.coordinator = Coordinator(plan.ps_addresses, tables, replicas=self.replicas, key=self.key,
-                                       log=supervisor.log)
+        addresses = list(plan.ps_addresses if addresses is None else addresses)
+        self.roles = {f"ps{i}": role for i, role in enumerate(plan.roles[:len(addresses)])}
+        self.addresses = {f"ps{i}": a for i, a in enumerate(addresses)}
+        self.coordinator = Coordinator(addresses, tables, replicas=self.replicas, key=self.key, log=servers.log)
         self._started = threading.Event()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,7 +147,7 @@ class ScaleControl:
 
     # ---------------------------------------------------------------- watching
     def _pids(self) -> dict[str, int]:
-        return {name: pid for name, pid in self.supervisor.pids().items() if name in self.addresses}
+        return {name: pid for name, pid in self.servers.pids().items() if name in self.addresses}
 
     def _watch(self) -> None:
         """Install the first table once every server answers (with replication: at once, the
@@ -140,7 +171,7 @@ class ScaleControl:
                             self.coordinator.fail_over(self.addresses[name])
                         self._rejoin(name)
                     except Exception as error:  # the job goes on; its log says why the backups were not rebuilt
-                        self.supervisor.log(f"failover of {name} failed: {error!r}")
+                        self.servers.log(f"failover of {name} failed: {error!r}")
             seen = {**seen, **now}
 
     def _rejoin(self, name: str) -> None:
@@ -193,25 +224,17 @@ class ScaleControl:
         return self._status(request)
 
     def _add_server(self) -> str:
-        """Start PS server ps<i> on the next free index and a free port; its address once ready."""
+        """Start PS server ps<i> on the next free index; its address once it serves."""
         index = len(self.roles)
         name, template = f"ps{index}", self.roles["ps0"]
-        host = _flag(template.argv, "--host")
-        port = free_ports(1, host)[0]
-        argv = _set_flag(_set_flag(list(template.argv), "--port", str(port)), "--shm-name", ps_shm_name(self.job, index))
-        role = _with_argv(template, argv, name)
-        self.plan.shm_names.append(ps_shm_name(self.job, index))  # deleted with the job's
-        ready = self.supervisor.add_service(role)
-        if not ready.wait(READY_SECONDS):
-            raise RuntimeError(f"{name} did not report ready within {READY_SECONDS:g}s")
-        self.roles[name] = role
-        self.addresses[name] = f"tcp://{dial_host(host)}:{port}"
+        self.addresses[name] = self.servers.start_ps(name, template, ps_shm_name(self.job, index))
+        self.roles[name] = template
         return self.addresses[name]
 
     def _retire(self, names: list[str]) -> None:
         time.sleep(DRAIN_SECONDS)
         for name in names:
-            self.supervisor.retire(name)
+            self.servers.retire(name)
             self.addresses.pop(name, None)
 
 

@@ -81,6 +81,7 @@ class Coordinator:
         self.log = log or (lambda message: None)
         self.metrics = MigrationMetrics()
         self.table = RoutingTable.static(addresses)
+        self.lanes: dict[str, str] = {}  # server address -> the address its forwards go to
 
     def _client(self, address: str) -> Client:
         if address not in self._clients:
@@ -101,10 +102,26 @@ class Coordinator:
                     raise
             time.sleep(0.2)
 
+    def _lanes_of(self, addresses: Sequence[str]) -> dict[str, str]:
+        """Where forwards to each of `addresses` go: the port a routed server takes them on
+        (asked once per server; a server that does not answer is asked again next time)."""
+        for address in addresses:
+            if address in self.lanes:
+                continue
+            try:
+                reply = self._client(address).request("routing", idempotent=True, retries=0, timeout=5.0,
+                                                      fail_fast=True)
+            except (TimeoutError, OSError):
+                continue
+            port = reply.meta.get("replica_port")
+            self.lanes[address] = address if not isinstance(port, int) else f"{address.rsplit(':', 1)[0]}:{port}"
+        return {address: self.lanes[address] for address in addresses if address in self.lanes}
+
     def _install(self, table: RoutingTable, addresses: Sequence[str], assume: bool) -> None:
+        lanes = self._lanes_of(table.addresses)
         for address in addresses:
             self._call(address, "routing_set", meta={"slot": table.slot(address), "assume": assume,
-                                                     "metrics": self.metrics.as_dict()}, table=table)
+                                                     "metrics": self.metrics.as_dict(), "lanes": lanes}, table=table)
         self.table = table
         self.metrics.routing_version = table.version
 
@@ -260,6 +277,7 @@ class Coordinator:
                                    f"buckets have no backup (strategy.ps_replicas is 1, or a backup was still being "
                                    f"rebuilt); the job must go back to its last checkpoint")
             start = time.monotonic()
+            self.lanes.pop(lost, None)  # its replacement takes forwards on a port of its own
             owners[orphaned] = backups[orphaned]
             backups[orphaned | (backups == slot)] = NO_SERVER
             promoted = table.changed(table.version + 1, owners=owners, backups=backups)

@@ -19,11 +19,13 @@ gone) it waits for the coordinator (`hybridrec.ps.migration`). A server not rout
 key until a table is installed, as before elastic routing existed.
 
 Operations (added to the server's):
-  routing        -> the server's table (none: meta routing absent), meta {slot, owned, backed}
-  routing_set    a table (arrays routing.*, meta routing), meta {slot, assume, metrics}: keeps the table
+  routing        -> the server's table (none: meta routing absent), meta {slot, owned, backed,
+                 replica_port: the port its primaries forward to, None: the main one}
+  routing_set    a table (arrays routing.*, meta routing), meta {slot, assume, metrics, lanes}: keeps the table
                  when it is newer than its own; `assume` also takes the table's ownership of
                  `slot` as its own (a fresh job, or a backup promoted after a failover); `metrics`,
-                 the coordinator's figures, are answered to `routing` requests (trainers report them)
+                 the coordinator's figures, are answered to `routing` requests (trainers report them);
+                 `lanes` {server address: the address its forwards go to} replaces the known ones
   bucket_export  arrays buckets int64 + the new table, meta {tables}: stops serving the buckets
                  and answers, per table i, arrays <i>.rows and <i>.meta of their keys
   bucket_import  arrays buckets, <i>.rows, <i>.meta + the new table, meta {tables, backup,
@@ -49,7 +51,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from hybridrec.comm.transport import Message, Operation
+from hybridrec.comm.transport import Message, Operation, check_address
 from hybridrec.embedding import EmbeddingStore
 from hybridrec.embedding.buckets import NUM_BUCKETS, bucket_of, static_owners
 from hybridrec.embedding.hashing import table_route_id
@@ -108,6 +110,14 @@ def check_buckets(array: Any, name: str = "buckets") -> np.ndarray:
     if len(array) and (array.min() < 0 or array.max() >= NUM_BUCKETS or len(np.unique(array)) != len(array)):
         raise ValueError(f"array {name!r} must hold distinct buckets in [0, {NUM_BUCKETS})")
     return array
+
+
+def check_lanes(lanes: Any) -> dict[str, str]:
+    """meta 'lanes' {server address: its forwarding address}, or ValueError."""
+    if (not isinstance(lanes, dict) or len(lanes) > 4 * NUM_BUCKETS
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in lanes.items())):
+        raise ValueError(f"meta 'lanes' must map server addresses to their forwarding addresses, got {lanes!r:.80}")
+    return {check_address(k, "meta 'lanes' key"): check_address(v, "meta 'lanes' value") for k, v in lanes.items()}
 
 
 def mask_hex(mask: np.ndarray) -> str:
@@ -183,6 +193,8 @@ class BucketOwnership:
         self.backed = np.zeros(NUM_BUCKETS, dtype=bool)
         self.outgoing = np.zeros(NUM_BUCKETS, dtype=bool)
         self.job_metrics: dict[str, float] = {}  # the coordinator's figures, as it last sent them
+        self.replica_port: int | None = None  # where this server takes forwards (None: its main port)
+        self.lanes: dict[str, str] = {}  # server address -> where forwards to it go (the coordinator's word)
         self.frozen_until = 0.0  # buckets are not exported or dropped before (a checkpoint runs)
         self.counts = {"redirects": 0, "buckets_exported": 0, "buckets_imported": 0, "bytes_moved": 0}
         self._route_ids: dict[str, int] = {}
@@ -294,7 +306,7 @@ class BucketOwnership:
         arrays, meta = self.table.to_wire() if self.table is not None else ({}, {})
         return Message("routing", arrays, {**meta, "slot": self.slot, "owned": int(self.owned.sum()),
                                            "backed": int(self.backed.sum()), **self.counts,
-                                           "job_metrics": self.job_metrics})
+                                           "job_metrics": self.job_metrics, "replica_port": self.replica_port})
 
     def _slot(self, table: RoutingTable, slot: Any) -> int:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(table.addresses):
@@ -306,6 +318,9 @@ class BucketOwnership:
         if table is None:
             raise ValueError("routing_set needs a routing table (arrays routing.*, meta routing)")
         assume = request.meta.get("assume", False)
+        lanes = request.meta.get("lanes")
+        if lanes is not None:
+            self.lanes = check_lanes(lanes)
         if isinstance(request.meta.get("metrics"), dict):
             self.job_metrics = {k: v for k, v in request.meta["metrics"].items() if isinstance(v, (int, float))}
         with self.lock.exclusive():

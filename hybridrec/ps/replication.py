@@ -11,7 +11,10 @@ forwarded: the backup makes them again with the same first value (a row's first 
 only on the table's seed and the key), on a lookup or on a push (with replication a push makes
 the rows it does not find, where an unreplicated server drops their update). When a backup does not answer (it
 refuses the connection: gone; or it times out), the primary acknowledges alone; the coordinator
-sees the lost server and gives the buckets a new backup.
+sees the lost server and gives the buckets a new backup. A routed server takes forwards on a
+port of its own with worker threads of their own (`EmbeddingServer.replica_lane`; the
+coordinator sends every server the others' forwarding addresses, `BucketOwnership.lanes`): a
+forward never waits for a worker thread that is itself waiting on a forward the other way.
 
 Exactly once. Every push carries an id (client, sequence); a server remembers the ids it
 applied, and a backup the ids of the pushes forwarded to it (`AppliedPushes`). A client whose
@@ -125,7 +128,9 @@ class Replication:
                 arrays[f"{i}.rows"], arrays[f"{i}.meta"] = rows, meta
             request = {"tables": names, **({} if pushed is None else {"push_id": list(pushed)})}
             try:
-                self._client(table.addresses[backup]).request("replica_put", arrays, request, fail_fast=True)
+                address = table.addresses[backup]
+                lane = self._client(self.ownership.lanes.get(address, address))
+                lane.request("replica_put", arrays, request, fail_fast=True)
                 self.counts["forwarded"] += 1
             except (TimeoutError, OSError, RuntimeError):  # the backup is lost: the coordinator replaces it
                 self.counts["forward_failures"] += 1

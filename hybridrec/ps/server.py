@@ -196,8 +196,21 @@ class EmbeddingServer(Service):
         limit = request_bytes_limit(self.stores, self.dense.declared, max_keys_per_request)
         self.transport = Server(operations, host=host, port=port, threads=threads, max_request_bytes=limit,
                                 key=key, max_connections=max_connections)
+        # A routed server takes its primaries' forwards on a port of their own, served by threads of
+        # their own: on the main port a forward could wait for a worker that itself waits on a
+        # forward the other way (every worker of two servers forwarding to each other).
+        self.replica_lane = None if not routed else Server(
+            self.replication.operations(), host=host, port=0, threads=threads, max_request_bytes=limit, key=key,
+            max_connections=max_connections)
+
+    def start(self) -> int:
+        if self.replica_lane is not None:
+            self.ownership.replica_port = self.replica_lane.start()
+        return self.transport.start()
 
     def _release(self) -> None:
+        if self.replica_lane is not None:
+            self.replica_lane.stop(STOP_SECONDS)
         for store in self.stores.values():
             store.close()
         if self.checkpoints.root is not None:

@@ -180,3 +180,42 @@ def test_with_replicas_a_lost_server_fails_over_to_the_backups_and_loses_no_ackn
         coordinator.close()
         for server in running:
             server.stop(timeout=5)
+
+
+def test_concurrent_pushes_on_replicated_servers_reach_their_backups_without_waiting_on_each_other():
+    """Two servers, each the other's backup, with more pushers than worker threads: every forward
+    arrives (on the backup's own forwarding port, so a forward never waits for a worker that
+    waits on a forward the other way), and after a failover every row still holds every update."""
+    running = [serve(tables=TABLES, block=False, key=None, routed=True) for _ in range(2)]
+    addresses = [s.address for s in running]
+    coordinator = Coordinator(addresses, list(TABLES), replicas=2, key=None)
+    clients = [PSClient(addresses, key=None, timeout=600) for _ in range(4)]
+    try:
+        coordinator.start()
+        ledgers = [Ledger(client, np.uint64(i) << np.uint64(40)) for i, client in enumerate(clients)]
+        errors = []
+
+        def push(ledger):
+            try:
+                for seed in range(6):
+                    ledger.push(seed)
+            except BaseException as error:
+                errors.append(error)
+
+        pushers = [threading.Thread(target=push, args=(ledger,)) for ledger in ledgers]
+        for pusher in pushers:
+            pusher.start()
+        for pusher in pushers:
+            pusher.join(120)
+        assert not errors and not any(p.is_alive() for p in pushers), errors
+        assert [s.replication.counts["forward_failures"] for s in running] == [0, 0]
+        running[0].stop(timeout=5)
+        coordinator.fail_over(addresses[0])
+        for ledger in ledgers:
+            ledger.check()
+    finally:
+        for client in clients:
+            client.close()
+        coordinator.close()
+        for server in running:
+            server.stop(timeout=5)

@@ -13,7 +13,7 @@ import pytest
 from hybridrec.comm.auth import AUTH_KEY_ENV, AuthError, JobKey
 from hybridrec.comm.transport import Client, RemoteError
 from hybridrec.errors import UserError
-from hybridrec.parallel.scale import CONTROL_FILE, KEY_FILE, ScaleControl, scale
+from hybridrec.parallel.scale import CONTROL_FILE, KEY_FILE, ScaleControl, SupervisedServers, scale
 from hybridrec.parallel.supervisor import Role, Supervisor
 from hybridrec.ps import serve
 
@@ -31,7 +31,8 @@ def control_of(run, key):
     plan = SimpleNamespace(roles=[ps0, trainer], ps_addresses=[server.address], shm_names=[])
     cfg = SimpleNamespace(strategy=SimpleNamespace(ps_replicas=1, consistency="sync", dense="allreduce"),
                           train=SimpleNamespace(output_dir=str(run)))
-    control = ScaleControl(cfg, plan, Supervisor([ps0, trainer], out=open(os.devnull, "w")), list(TABLES), job="j")
+    servers = SupervisedServers(Supervisor([ps0, trainer], out=open(os.devnull, "w")), plan)
+    control = ScaleControl(cfg, plan, servers, list(TABLES), job="j")
     control.start()
     return control, server
 
