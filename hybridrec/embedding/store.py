@@ -23,7 +23,8 @@ from .tier_kernels import no_tier
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
 
-_MAGIC = 0x48524532  # "HRE2": index entries carry a hash tag above the row number
+_MAGIC = 0x48524533  # "HRE3": index entries carry a hash tag and their displacement above the row number
+_MAGIC_TAGGED = 0x48524532  # "HRE2": the layout before, whose entries carry no displacement (re-indexed on attach)
 _MAGIC_UNTAGGED = 0x48524543  # "HREC": the layout before, whose index entries are bare row numbers
 # scalars[*]
 S_MAGIC, S_EPOCH, S_STEP, S_DIRTY, S_DROPPED, S_INDEX_GEN = (K.SC_MAGIC, K.SC_EPOCH, K.SC_STEP, K.SC_DIRTY,
@@ -183,6 +184,9 @@ class EmbeddingStore:
         if self.scalars[S_MAGIC] == _MAGIC_UNTAGGED:
             raise ValueError(f"shm_name: {shm_name!r} holds a store of an earlier hybridrec layout (index entries "
                              f"without hash tags); save it with that version and load the checkpoint instead")
+        if self.scalars[S_MAGIC] == _MAGIC_TAGGED:  # the same rows and lists: only the index is rebuilt
+            self.scalars[S_DIRTY] = 1
+            self.scalars[S_MAGIC] = _MAGIC
         if self.scalars[S_MAGIC] != _MAGIC:
             raise ValueError(f"shm_name: {shm_name!r} does not hold a hybridrec store (bad magic)")
         if self.index is None:  # a full-size index in place of the grown one, then its keys re-inserted

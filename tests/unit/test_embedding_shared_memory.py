@@ -139,6 +139,23 @@ def test_a_store_of_the_untagged_index_layout_is_refused_by_name(shm_name):
         EmbeddingStore.attach(shm_name)
 
 
+def test_a_store_whose_index_entries_carry_no_displacement_is_reindexed_on_attach(shm_name):
+    """The layout before this one ("HRE2") put hash-tag bits where entries now hold their
+    displacement; its rows and LRU lists are the same, so attaching it rebuilds the index."""
+    store = EmbeddingStore.open_shared(shm_name, dim=4, capacity=50)
+    keys = np.arange(1, 81, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    store.pull(keys[:40])
+    rows = _trained(store, keys[-40:])  # 80 keys in 50 rows: evicting
+    live = set(store.keys().tolist())
+    store.scalars[S_MAGIC] = 0x48524532
+    store.index[:] = 0  # entries the new layout cannot read
+    store.close()
+    again = EmbeddingStore.attach(shm_name)
+    np.testing.assert_array_equal(again.pull(keys[-40:], insert=False), rows)
+    assert set(again.keys().tolist()) == live
+    assert again.scalars[S_MAGIC] == 0x48524533
+
+
 def _slots_in_use(store):
     """The end of the last partition's index slots."""
     return int((store.parts[:, PT_SLOT_START] + store.parts[:, PT_SLOT_COUNT]).max())
