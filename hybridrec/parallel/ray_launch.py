@@ -64,6 +64,8 @@ class _Service:
     restarting: bool = False
     ask_at: float = 0.0       # restarting: when to ask again whether it is back
     deaths: int = 0
+    pid: int | None = None    # its process, once it serves (a new one after a restart)
+    retired: bool = False     # stopped for good by `hybridrec scale` (its death is no failure)
 
 
 def _import_ray():
@@ -191,6 +193,7 @@ class RayLauncher:
         self.ps_addresses: list[str] = []
         self.server_addresses: dict = {}  # ServerRole -> its addresses, as placed
         self.job_key = job_key
+        self.cfg, self.control = cfg, None  # the elastic PS tier (`hybridrec scale`), once the servers serve
         self._lock = threading.Lock()
         self._signal: int | None = None
         self._key: str | None = None
@@ -311,16 +314,9 @@ class RayLauncher:
 
     def _start_services(self, services: list[_Service], deadline: float | None) -> int | None:
         """Create the actors and wait until each serves; an exit code when the job ends here."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         ray = self.ray
         for service in services:
-            actor_name = f"hybridrec-{self.plan.job}-{service.name}"
-            cls = ray.remote(type(service.name, (ServiceHost,), {"__module__": __name__}))
-            service.actor = cls.options(
-                name=actor_name, namespace=NAMESPACE, max_restarts=self.role_restarts, max_task_retries=0,
-                max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(service.node, soft=False),
-                **service.options).remote(service.name, service.argv, self._key, self._cwd, self.startup_timeout)
+            self._create_actor(service)
         pending = {s.actor.pid.remote(): s for s in services}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
@@ -331,13 +327,82 @@ class RayLauncher:
                 except Exception as error:  # the constructor raised or the actor died
                     self.reason = f"{service.name} did not start: {_cause(error)}"
                     return FAILED
-                self.log(f"{service.name} serves at {flag_value(service.argv, '--host')}:{flag_value(service.argv, '--port')} "
-                         f"(pid {pid}, node {service.node[:12]})")
-                service.call = service.actor.watch.remote()
+                self._serving(service, pid)
             code = self._stopping(deadline)
             if code is not None:
                 return code
         return None
+
+    def _create_actor(self, service: _Service) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cls = self.ray.remote(type(service.name, (ServiceHost,), {"__module__": __name__}))
+        service.actor = cls.options(
+            name=f"hybridrec-{self.plan.job}-{service.name}", namespace=NAMESPACE, max_restarts=self.role_restarts,
+            max_task_retries=0, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(service.node, soft=False),
+            **service.options).remote(service.name, service.argv, self._key, self._cwd, self.startup_timeout)
+
+    def _serving(self, service: _Service, pid: int) -> None:
+        service.pid = pid
+        self.log(f"{service.name} serves at {flag_value(service.argv, '--host')}:{flag_value(service.argv, '--port')} "
+                 f"(pid {pid}, node {service.node[:12]})")
+        service.call = service.actor.watch.remote()
+
+    # ------------------------------------------------------------------ the elastic PS tier
+    # What `hybridrec.parallel.scale.ScaleControl` needs of a launcher (as `SupervisedServers`).
+    def pids(self) -> dict[str, int]:
+        """The process of each serving role; a PS whose pid changed was restarted by Ray (lost)."""
+        return {s.name: s.pid for s in list(self.services) if s.pid is not None}
+
+    def start_ps(self, name: str, template, shm_name: str) -> str:
+        """Start PS actor `name` like `template` (the plan's ps0 role) on the node that holds the
+        fewest of the job's PS servers, on a port its node agent picks; its address once it serves."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        held = {node: 0 for node in (n["NodeID"] for n in _alive_nodes())}
+        for service in self.services:
+            if server_role(service.name) is PS and service.node in held:
+                held[service.node] += 1
+        node = min(held, key=held.get)
+        if node not in self.agents:
+            self.agents[node] = self.ray.remote(NodeAgent).options(num_cpus=0, scheduling_strategy=(
+                NodeAffinitySchedulingStrategy(node, soft=False))).remote()
+        host, ports = self.ray.get(self.agents[node].endpoint.remote(1, self._loopback), timeout=self.startup_timeout)
+        service = _Service(name, _with(_cli_argv(template.argv), host=host, port=str(ports[0]), shm_name=shm_name),
+                           node, role_options(getattr(self.resources, server_role(name).resources)))
+        self.shm_nodes.setdefault(node, []).append(shm_name)  # deleted with the job's
+        self._create_actor(service)
+        try:
+            pid = self.ray.get(service.actor.pid.remote(), timeout=self.startup_timeout)
+        except Exception as error:  # it did not start (or not in time): the scale request fails, the job goes on
+            self._kill(service.actor)
+            raise RuntimeError(f"{name} did not start: {_cause(error)}") from None
+        self._serving(service, pid)
+        self.services.append(service)
+        return f"tcp://{host}:{ports[0]}"
+
+    def retire(self, name: str) -> None:
+        """Stop PS actor `name` for good (`hybridrec scale` moved its buckets off)."""
+        service = next((s for s in self.services if s.name == name), None)
+        if service is None:
+            return
+        service.retired = True
+        self.services.remove(service)
+        self._kill(service.actor)
+        self.log(f"{name} retired")
+
+    def _start_control(self) -> None:
+        """The control channel of `hybridrec scale`, once the PS servers serve (jobs with PS servers)."""
+        from hybridrec.comm.auth import JobKey
+        from hybridrec.parallel.scale import ScaleControl
+
+        if not self.ps_addresses:
+            return
+        key = None if self._key is None else JobKey.from_text(self._key, "the job key")
+        self.control = ScaleControl(self.cfg, self.plan, self, self.tables, job=self.plan.job,
+                                    addresses=self.ps_addresses, key=key)
+        self.control.start()
 
     def _create_trainers(self) -> None:
         cls = self.ray.remote(type(TRAINERS, (TrainerHost,), {"__module__": __name__}))
@@ -359,6 +424,8 @@ class RayLauncher:
         (then ask its pid until it is back) or it is dead for good, which fails the job."""
         from ray.exceptions import ActorDiedError
 
+        if service.retired:
+            return None
         try:
             pid, error = self.ray.get(service.call), None
         except Exception as exc:
@@ -368,7 +435,7 @@ class RayLauncher:
                            f"restart(s) of {self.role_restarts}): {_cause(error)}")
             return FAILED
         if service.restarting and error is None:
-            service.restarting = False
+            service.restarting, service.pid = False, pid
             self.log(f"{service.name} is back (pid {pid})")
             service.call = service.actor.watch.remote()
         elif service.restarting:  # still restarting: ask again in a moment
@@ -399,14 +466,15 @@ class RayLauncher:
         code = self._start_services(self.services, deadline)
         if code is not None:
             return code
+        self._start_control()
         attempt = 0
         runs = self._start_trainers(attempt, deadline)
         finished: set = set()
         while True:
-            for service in self.services:
+            for service in list(self.services):
                 if service.call is None and time.monotonic() >= service.ask_at:
                     service.call = service.actor.pid.remote()
-            calls = {s.call: s for s in self.services if s.call is not None}
+            calls = {s.call: s for s in list(self.services) if s.call is not None}
             pending = [r for r in runs if r not in finished]
             done, _ = ray.wait(pending + list(calls), num_returns=1, timeout=POLL_SECONDS)
             for ref in done:
@@ -446,6 +514,8 @@ class RayLauncher:
         """Kill every actor of the job, wait (up to `grace`) until each is gone, then delete the
         job's shared memory on each PS node."""
         ray = self.ray
+        if self.control is not None:
+            self.control.stop()
         actors = self.trainer_actors + [s.actor for s in self.services if s.actor is not None]
         for actor in actors:
             self._kill(actor)
@@ -542,6 +612,10 @@ def launch_on_ray(config: str, *, address: str = "auto", ps: int | None = None,
                        resume=resume, overwrite=overwrite, max_restarts=max_restarts, role_restarts=role_restarts,
                        checkpoint_root=str(Path(cfg.train.output_dir).resolve()))
     tables = list(job_tables(cfg).all_tables())
+    if counts["ps"]:  # the elastic PS tier: with replicas the servers serve what the coordinator gives them
+        from hybridrec.parallel.scale import ScaleControl
+
+        ScaleControl.routed_roles(plan, cfg.strategy.ps_replicas)
     try:
         started = connect(address, demand)
     except RayUnavailable as error:

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="the Ray tests need hybridrec[ray] (pip 
 
 from hybridrec.comm.auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, JobKey  # noqa: E402
 from hybridrec.parallel.ray_launch import NAMESPACE  # noqa: E402
-from helpers import finish, steps_of_one_epoch, trained_steps, wait_for
+from helpers import elastic_status, finish, interrupt, scale_job, steps_of_one_epoch, trained_steps, wait_for
 
 JOB_SECONDS = 240  # bound on one job (the launcher's --timeout; `finish` kills it some time later)
 
@@ -127,6 +127,27 @@ def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_p
     assert result["step"] == steps_of_one_epoch(config), result
     assert result["auc"] > 0.6, result
     assert not job_actors(job_id(log))
+
+
+def test_hybridrec_scale_starts_and_retires_ps_actors_while_the_job_trains(tmp_path, ray_address):
+    """Made longer than the test needs, the job is interrupted once it trained on after the events."""
+    config, log, run = write_config(tmp_path, epochs=1000), tmp_path / "launch.log", tmp_path / "run"
+    process = start_job(config, ray_address, log)
+    try:
+        wait_for(lambda: trained_steps(run) >= 2 and (run / "control.json").is_file(), JOB_SECONDS, "2 steps", log)
+        assert len(scale_job(run, 2, log)["servers"]) == 2
+        assert len(scale_job(run, 1, log)["servers"]) == 1
+        wait_for(lambda: "ps1 retired" in log.read_text(), 60, "the emptied PS actor to stop", log)
+        steps = trained_steps(run)
+        wait_for(lambda: trained_steps(run) >= steps + 4, JOB_SECONDS, "training after the scale events", log)
+        status = elastic_status(run)
+        assert status["scale_events"] == 2 and status["buckets_moved"] == 4096, status
+    finally:
+        code = interrupt(process, log)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "[launch] ps1 serves at " in text and "scale: 1 -> 2 PS servers" in text
+    assert not job_actors(job_id(log)) and not (run / "control.json").exists()
 
 
 def _answer(ask, *args):
