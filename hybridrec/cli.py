@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_emulation_arguments(p)
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("scale", help="add or remove PS servers of a job running under hybridrec launch",
+    p = sub.add_parser("scale", help="add or remove PS servers of a job running under hybridrec launch (also --ray)",
                        description="Ask the launcher of the job running in RUN (its train.output_dir) for N PS "
                        "servers: new ones start and buckets of embeddings move to them, or off the last ones, "
                        "which stop, while the job trains (docs/distributed.md, Elastic PS servers).")

@@ -169,7 +169,8 @@ def headline(report: dict) -> dict:
                                       "replicated / unreplicated samples/s": "replicated_over_unreplicated_samples_per_s"}),
             **pick(report["scaled"], {"scaled: longest pause s": "max_pause_s", "scaled: lost updates": "lost_updates",
                                       "scaled: doubled updates": "doubled_updates"}),
-            **pick(report["host_loss"], {"host loss: lost updates": "lost_updates",
+            **pick(report["host_loss"], {"host loss: longest pause s": "max_pause_s",
+                                         "host loss: lost updates": "lost_updates",
                                          "host loss: doubled updates": "doubled_updates"})}
 
 
