@@ -18,8 +18,8 @@ The claims (Persia §6.2): at W=16, tau=4 the hybrid's gap to sync and the async
 async at least 0.3% below").
 
 `--oracle`: real jobs of `bench hybrid`'s setup (`--oracle-ps` PS servers, one embedding worker,
-`--oracle-trainers` trainers; sync, hybrid and async, per seed in `--oracle-seeds`, on
-`--oracle-samples` rows) record the staleness each lookup had (final_metrics.json's
+`--oracle-trainers` trainers; sync, hybrid and async, or those `--oracle-disciplines` names, per
+seed in `--oracle-seeds`, on `--oracle-samples` rows) record the staleness each lookup had (final_metrics.json's
 `staleness_cross` and the job's staleness_trace.npz); the emulator replays each job's recorded
 reads (hybridrec.lab.trace) with the same config and seed. Reported: the AUCs of both, their
 medians per discipline and the largest difference of medians (target: within 0.005).
@@ -75,6 +75,17 @@ def _groups(text: str) -> list:
     return [item if item == "W" else int(item) for item in items]
 
 
+ORACLE_DISCIPLINES = ("sync", "hybrid", "async")  # bench hybrid's jobs
+
+
+def _oracle_names(text: str) -> list[str]:
+    names = [item.strip() for item in text.split(",")]
+    if not names or any(name not in ORACLE_DISCIPLINES for name in names):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ORACLE_DISCIPLINES)} separated by commas, "
+                                         f"got {text!r}")
+    return [name for name in ORACLE_DISCIPLINES if name in names]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridrec bench staleness",
                                 description="Emulated W-worker runs of sync, hybrid, async, HET, SSP and HT against "
@@ -110,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", action="store_true", help="also run real jobs and replay their recorded staleness")
     p.add_argument("--oracle-only", action="store_true", help="only the oracle check")
     p.add_argument("--oracle-seeds", type=_ints, default=[0, 1, 2], help="default 0,1,2")
+    p.add_argument("--oracle-disciplines", type=_oracle_names, default=list(ORACLE_DISCIPLINES),
+                   help="the oracle's jobs, default sync,hybrid,async")
     p.add_argument("--oracle-samples", type=positive_int, default=None,
                    help="training rows of the oracle's jobs (default: the config's)")
     p.add_argument("--oracle-trainers", type=positive_int, default=4, help="default 4")

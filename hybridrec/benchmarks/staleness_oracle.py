@@ -65,7 +65,7 @@ def oracle_check(args, log) -> dict:
     job_args = _job_args(args)
     out = {}
     try:
-        for name in DISCIPLINES:
+        for name in args.oracle_disciplines:
             row = {"emulated_auc": [], "distributed_auc": [], "seeded_auc": [], "departures": [],
                    "reads_beyond_bound": [], "staleness_cross": [], "seeds": list(args.oracle_seeds)}
             spec, bound = nominal[name]

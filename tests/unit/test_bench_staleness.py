@@ -97,3 +97,11 @@ def test_oracle_checks_of_seeds_run_apart_are_reported_together_from_the_file(tm
     assert oracle["disciplines"]["hybrid"]["distributed_auc"] == pytest.approx([0.7, 0.71, 0.72])
     assert oracle["max_median_difference"] == pytest.approx(0.002)
     assert oracle["within_target"]
+    args.oracle_disciplines = ["sync", "hybrid"]  # those named only
+    assert list(oracle_check(args, staleness.RunLog(str(out)))["disciplines"]) == ["sync", "hybrid"]
+
+
+def test_an_oracle_discipline_outside_bench_hybrids_jobs_is_refused_naming_them(capsys):
+    with pytest.raises(SystemExit):
+        staleness.build_parser().parse_args([*TINY, "--oracle-disciplines", "sync,het"])
+    assert "sync,hybrid,async" in capsys.readouterr().err
