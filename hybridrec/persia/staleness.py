@@ -42,8 +42,12 @@ class Timeline:
 
 
 def joined(timelines: list[Timeline]) -> dict[str, np.ndarray]:
-    """One trainer's timelines of several epochs, one after another."""
+    """One trainer's timelines of several epochs, one after another, each epoch's lookups cut to
+    the batches it trained (as many as its updates): a batch looked up at an epoch's end and then
+    skipped, because another trainer had none, was not trained and is no step."""
     parts = [t.arrays() for t in timelines]
+    for part in parts:
+        part["lookups"] = part["lookups"][:len(part["updates"])]
     return {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in ("lookups",
                                                                                                       "updates")}
 

@@ -7,7 +7,7 @@ import pytest
 from hybridrec.errors import UserError
 from hybridrec.lab.trace import RecordedSchedule
 from hybridrec.metrics import StalenessHistogram
-from hybridrec.persia.staleness import TRACE_FILE, StalenessTelemetry, Timeline, missed_steps
+from hybridrec.persia.staleness import TRACE_FILE, StalenessTelemetry, Timeline, joined, missed_steps
 from hybridrec.strategy.world import World
 
 
@@ -60,3 +60,15 @@ def test_a_replay_reads_what_the_jobs_reads_saw_and_lands_updates_in_the_jobs_or
 def test_a_directory_without_a_trace_is_refused_naming_the_file(tmp_path):
     with pytest.raises(UserError, match=TRACE_FILE):
         RecordedSchedule.from_job(tmp_path)
+
+
+def test_lookups_of_batches_never_trained_are_left_out_and_epochs_stay_aligned():
+    """At an epoch's end a trainer may look up a batch it then skips (another trainer had none):
+    it has no update, missed nothing that was trained, and must not shift the next epoch's steps."""
+    first = _timeline([0, 10, 20], [5, 15])  # the batch looked up at 20 was skipped
+    second = _timeline([30, 40], [35, 45])
+    joined_steps = joined([first, second])
+    assert joined_steps["lookups"][:, 0].tolist() == [0, 10, 30, 40]
+    assert len(joined_steps["updates"]) == 4
+    other = _timeline([1, 11, 31, 41], [6, 16, 36, 46]).arrays()
+    assert max(m.max() for m in missed_steps([joined_steps, other])) == 0
