@@ -91,3 +91,19 @@ def test_a_recorded_runs_predictions_come_back_from_its_calibration():
                     assert predict(projection["calibration"], Job(**fields), cluster) == pytest.approx(guess, rel=1e-12)
                     checked += 1
     assert checked >= 2
+
+
+def test_a_jobs_own_cpu_is_the_jobs_and_not_other_works():
+    import subprocess
+    import sys
+
+    from hybridrec.costs.machine import MachineUse
+
+    burn = "import time\nwhile time.process_time() < 0.3: pass"  # 0.3 s of CPU, however loaded the machine
+    with MachineUse() as use:
+        subprocess.run([sys.executable, "-c", burn], check=True, timeout=120)
+    figures = use.figures()
+    assert figures["job_cpu_s"] >= 0.3 and figures["background_cores"] >= 0.0
+    with MachineUse(counts_job=False) as use:  # the job's processes are not our children (Ray's)
+        pass
+    assert use.figures()["background_cores"] is None
