@@ -268,7 +268,10 @@ class RayLauncher:
         endpoints = {node: self.agents[node].endpoint.remote(count, self._loopback)
                      for node, count in per_node.items()}
         endpoints = {node: self._await(ref, deadline, "the node agent") for node, ref in endpoints.items()}
-        self._key = (role_environment(endpoints[chosen[0]][0], self.job_key) or {}).get(AUTH_KEY_ENV)
+        # the servers' host decides whether the job needs its key; a job of trainers alone
+        # (PICASSO's or DES's tables on the trainers) binds where its trainers do
+        first = endpoints[chosen[0]][0] if chosen else "127.0.0.1" if self._loopback else ray.util.get_node_ip_address()
+        self._key = (role_environment(first, self.job_key) or {}).get(AUTH_KEY_ENV)
         addresses: dict[str, str] = {}
         for role, node, (_, options) in zip(services, chosen, wanted):
             host, ports = endpoints[node]

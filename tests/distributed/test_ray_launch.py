@@ -105,6 +105,22 @@ def test_a_job_on_ray_converges_and_leaves_nothing_behind(tmp_path, ray_address)
     assert not list(Path("/dev/shm").glob(f"hybridrec-hybridrec-{job}-ps*"))
 
 
+def test_a_job_of_trainers_alone_runs_on_ray_and_counts_its_trainers_on_the_machine(tmp_path, ray_address):
+    """PICASSO's sharded tables: no server role, so no node agent; both trainer actors run on this
+    machine, which `auto` interleaving counts (HYBRIDREC_MACHINE_TRAINERS), not one per actor."""
+    config, log = write_config(tmp_path), tmp_path / "launch.log"
+    job = yaml.safe_load(config.read_text())
+    job["strategy"] = {"preset": "picasso", "roles": {"trainers": 2}, "resources": {"trainers": {"cpus": 0.5}},
+                       "picasso": {"micro_batches": 2}}
+    config.write_text(yaml.safe_dump(job))
+    code = finish(start_job(config, ray_address, log), log)
+    assert code == 0, log.read_text()[-3000:]
+    result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
+    assert result["step"] == steps_of_one_epoch(config) and result["trainers"] == 2
+    assert "for 2 trainers on this machine (the launcher's count" in result["interleaving"]["why"], result["interleaving"]
+    assert not job_actors(job_id(log))
+
+
 def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_path, ray_address):
     config, log = write_config(tmp_path), tmp_path / "launch.log"
     process = start_job(config, ray_address, log)
