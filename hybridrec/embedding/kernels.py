@@ -66,7 +66,7 @@ PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
 FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
-EVICT_AHEAD = 8  # victims ahead whose row lines an eviction requests for writing
+EVICT_AHEAD = 8  # victims ahead whose row lines, metadata and index slot an eviction requests
 DISP_BITS = 4  # bits of an index entry holding its distance from its home slot (see _entry)
 
 
