@@ -44,11 +44,17 @@ except (ImportError, OSError):
 
 
 # ----------------------------------------------------------------------------- lifetime
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
     """Ask the kernel to send this process `signum` when its parent dies, even by SIGKILL, when
-    no teardown can run (Linux; elsewhere a no-op). Safe between fork and exec (`preexec_fn`)."""
+    no teardown can run (Linux; elsewhere a no-op). Safe between fork and exec (`preexec_fn`).
+
+    `parent`: the parent's pid as the process read it when it started. The kernel signals only a
+    death that comes after the request, so a process that asks late (after slow imports) and
+    whose parent is already gone (it was re-parented) sends itself `signum` at once."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(signum))
+        if parent is not None and os.getppid() != parent:
+            os.kill(os.getpid(), int(signum))
 
 
 def proc_stat_fields(pid: int | str) -> list[str] | None:

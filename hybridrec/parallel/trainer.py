@@ -20,6 +20,10 @@ import signal
 import sys
 import warnings
 
+# torchrun's agent, read before the slow imports below: an agent killed while they run signals
+# nobody (the death request is made after them), so main() compares it with the parent it finds
+PARENT_AT_START = os.getppid()
+
 import torch
 import torch.distributed as dist
 
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     again.add_argument("--overwrite", action="store_true", help="start over, deleting an earlier run's checkpoints")
     args = parser.parse_args(argv)
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun's agent: die with it, even when it is killed
-        die_with_parent()
+        die_with_parent(parent=PARENT_AT_START)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     if os.environ.get("RANK", "0") == "0":  # the leader says so for all: they compile alike
         announce_compilation("trainer")

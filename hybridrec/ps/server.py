@@ -509,18 +509,27 @@ def run_until_stopped(server: EmbeddingServer, on_ready: Callable[[], None] | No
     a clean-up waits on a peer (the launcher's SIGTERM, also the kernel's when the launcher is
     killed, must end a busy server promptly).
     """
+    deadline = threading.Timer(STOP_SECONDS, os._exit, (1,))
+    deadline.daemon = True  # ends the process if stopping, or the interpreter's exit, hangs
+
+    def stop_on_signal(*_) -> None:
+        # the bound runs from the signal: the server counts as stopped only once its handlers
+        # return, and one may wait out a request to a peer that is gone (its timeout and retries)
+        if not deadline.is_alive():
+            deadline.start()
+        server.transport.request_stop()
+
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: server.transport.request_stop())
+            signal.signal(signum, stop_on_signal)
     if on_ready is not None:
         on_ready()
     try:
         while not server.wait(0.2):  # short waits so signal handlers get to run
             pass
     finally:
-        deadline = threading.Timer(STOP_SECONDS, os._exit, (1,))
-        deadline.daemon = True  # ends the process if stopping, or the interpreter's exit, hangs
-        deadline.start()
+        if not deadline.is_alive():
+            deadline.start()
         server.stop()
 
 

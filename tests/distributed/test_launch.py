@@ -27,7 +27,7 @@ from hybridrec.parallel.roles import build_roles
 from hybridrec.parallel.supervisor import FAILED, INTERRUPTED, OK, TIMED_OUT, Role, Supervisor
 from hybridrec.ps import PSClient
 from hybridrec.ps.server import listening_address
-from helpers import JOB_SECONDS, job_shared_memory, processes_with, start_launch, wait_for, write_config
+from helpers import JOB_SECONDS, job_shared_memory, processes_with, start_launch, trained_steps, wait_for, write_config
 
 PY = sys.executable
 # A service: starts a grandchild (so teardown must reach the whole tree), says where both are,
@@ -378,6 +378,7 @@ def test_every_role_dies_with_a_launcher_killed_with_sigkill(tmp_path):
     try:
         wait_for(lambda: len(processes_with("hybridrec.parallel.trainer", str(config))) >= 3, JOB_SECONDS,
                  "torchrun and its 2 trainers", log)
+        wait_for(lambda: trained_steps(tmp_path / "run") >= 1, JOB_SECONDS, "a first training step", log)
         roles = [pid for pid in processes_with(str(config)) if pid != launcher.pid]
         assert len(roles) >= 5, log.read_text()[-3000:]  # 2 PS, 1 embedding worker, torchrun, its 2 trainers
         launcher.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
@@ -392,6 +393,21 @@ def test_every_role_dies_with_a_launcher_killed_with_sigkill(tmp_path):
             os.kill(pid, signal.SIGKILL)
     for path in job_shared_memory(log):  # as the next launch's sweep would
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("orphaned", [False, True])
+def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once(orphaned):
+    """A trainer asks to die with torchrun's agent only after its slow imports; when the agent was
+    killed meanwhile, the kernel will never signal it, so it signals itself."""
+    script = textwrap.dedent(f"""
+        import os, time
+        from hybridrec.parallel.host import die_with_parent
+        started_by = os.getppid()
+        die_with_parent(parent=started_by + 1 if {orphaned} else started_by)
+        time.sleep(2)
+    """)
+    child = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert child.returncode == (-signal.SIGTERM if orphaned else 0)
 
 
 def test_a_launch_default_ps_refuses_a_client_without_the_job_key(tmp_path, monkeypatch):
