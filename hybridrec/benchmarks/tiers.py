@@ -5,11 +5,13 @@ Adagrad, one thread) runs through three stores, each in a process of its own so 
 RSS is its own: `tiered` (a memory tier of `--memory-fraction` of the stream's distinct keys and a
 disk tier for the rest), `in_memory` (capacity above the distinct keys: it never evicts) and
 `evicting` (capacity `--eviction-capacity`, no tier: evicted rows are dropped, the figure of
-issue 35's eviction target). The processes take turns, `--segment` batches each, so that the
+issue 35's eviction target), and with `--read-ahead` `tiered_ahead`: the tiered store whose next
+batch's cold records are faulted in on a second thread (`EmbeddingStore.read_ahead`, what a
+trainer's data loader does when it has the next batch ready) once each batch's pull returns. The processes take turns, `--segment` batches each, so that the
 machine's load affects them alike; a ratio is the median over the segments of the time the
 in-memory store took for a segment over the time the other took for the same one. Then the tiered store's every key is pulled once more (read-only) and
 its rows, optimizer state, counts and clocks are compared with the in-memory store's:
-`lost_rows` counts the keys that differ or are missing.
+`lost_rows` counts the keys that differ or are missing (both tiered stores' with `--read-ahead`).
 
 RSS: each process resets its peak RSS (/proc/self/clear_refs) once its stream and its store's
 kernels are ready, right before it makes the store, and reports the peak above its RSS at that
@@ -39,7 +41,7 @@ from hybridrec.benchmarks.results import pick
 from hybridrec.benchmarks.timing import number_above, positive_int
 from hybridrec.benchmarks.workload import mix64
 
-SYSTEMS = ("tiered", "in_memory", "evicting")
+SYSTEMS = ("tiered", "in_memory", "evicting", "tiered_ahead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows of the evicting store (default 200000)")
     p.add_argument("--segment", type=positive_int, default=50,
                    help="batches each system runs in its turn; ratios are medians over the segments (default 50)")
+    p.add_argument("--read-ahead", action="store_true",
+                   help="also run the tiered store with the next batch's cold records read ahead on a second thread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -84,6 +88,7 @@ def run_child(spec: dict, commands, replies) -> dict:
     parent says "go" on `commands` (the systems take turns, so they share the machine's state
     alike); the seconds of each segment on `replies`, then what the parent reads back."""
     from hybridrec.embedding import EmbeddingStore
+    from hybridrec.embedding.read_ahead import ReadAhead
 
     # prefault, as `bench embedding` builds its tables: no page fault of a fresh row in any step
     fields = {"dim": spec["dim"], "capacity": spec["capacity"], "optimizer": {"name": "adagrad", "lr": 0.05},
@@ -101,17 +106,22 @@ def run_child(spec: dict, commands, replies) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # the peak RSS counts from here: the store's memory and more
     base = _status("VmRSS")
     store = EmbeddingStore(**fields)
+    ahead = ReadAhead() if spec.get("read_ahead") else None
     elapsed = 0.0
     segment = spec["segment"]
     for first in range(0, len(batches), segment):
         commands.readline()
         start = time.perf_counter()
-        for keys in batches[first:first + segment]:
-            store.pull(keys)
-            store.push(keys, grads)
+        for i in range(first, min(first + segment, len(batches))):
+            store.pull(batches[i])
+            if ahead is not None and i + 1 < len(batches):  # the next batch is known: read its cold rows ahead
+                ahead.submit(store.read_ahead, batches[i + 1])
+            store.push(batches[i], grads)
         took = time.perf_counter() - start
         elapsed += took
         print(took, file=replies, flush=True)
+    if ahead is not None:
+        ahead.close()
     peak = _status("VmHWM")
     stats = store.stats()
     out = {"samples_per_s": len(batches) * spec["batch_size"] / elapsed, "rss_bytes": peak - base,
@@ -187,8 +197,13 @@ def run(args) -> dict:
             "in_memory": {**base, "capacity": int(distinct * 1.05) + 1024, "export": f"{tmp}/in_memory.npz"},
             "evicting": {**base, "capacity": args.eviction_capacity},
         }
+        if args.read_ahead:
+            specs["tiered_ahead"] = {**specs["tiered"], "tier": {**specs["tiered"]["tier"], "path": f"{tmp}/tier-ahead"},
+                                     "export": f"{tmp}/tiered_ahead.npz", "read_ahead": True}
         results, seconds = _run_together(specs)
         lost = lost_rows(Path(tmp, "tiered.npz"), Path(tmp, "in_memory.npz"))
+        if args.read_ahead:
+            lost_ahead = lost_rows(Path(tmp, "tiered_ahead.npz"), Path(tmp, "in_memory.npz"))
     from hybridrec.embedding.disk_tier import PAGE_BUDGET
 
     tiered = results["tiered"]
@@ -197,7 +212,7 @@ def run(args) -> dict:
     paired = lambda system: statistics.median(b / a for a, b in zip(seconds[system], seconds["in_memory"]))
     per_s = lambda system: results[system]["samples_per_s"]
     stats = tiered["stats"]
-    return {
+    report = {
         "tiered": {"samples_per_s": per_s("tiered"), "rss_bytes": tiered["rss_bytes"],
                    "disk_bytes": stats["disk_bytes"], "hit_rate": stats["hit_rate"], "lost_rows": lost,
                    "rows_in_memory": stats["rows_in_memory"], "rows_on_disk": stats["rows_on_disk"]},
@@ -211,12 +226,23 @@ def run(args) -> dict:
         "distinct_keys": distinct, "memory_rows": memory_rows, "batches": args.batches,
         "batch_size": args.batch_size, "segments": len(seconds["tiered"]),
     }
+    if args.read_ahead:
+        ahead = results["tiered_ahead"]
+        report["tiered_ahead"] = {"samples_per_s": per_s("tiered_ahead"), "rss_bytes": ahead["rss_bytes"],
+                                  "lost_rows": lost_ahead, "hit_rate": ahead["stats"]["hit_rate"]}
+        report["tiered_ahead_over_in_memory"] = paired("tiered_ahead")
+        # each segment's seconds without the read-ahead over the same segment's with it
+        report["read_ahead_speedup"] = statistics.median(a / b for a, b in zip(seconds["tiered"], seconds["tiered_ahead"]))
+        report["lost_rows"] = lost + lost_ahead
+    return report
 
 
 def headline(report: dict) -> dict:
     """The figures of the results table: the tiered and evicting stores against never evicting."""
     return pick(report, {"tiered / in memory": "tiered_over_in_memory", "evicting / in memory": "eviction_ratio",
-                         "tiered RSS / budget": "rss_over_budget", "lost rows": "lost_rows"})
+                         "tiered RSS / budget": "rss_over_budget", "lost rows": "lost_rows",
+                         "tiered read ahead / in memory": "tiered_ahead_over_in_memory",
+                         "read ahead speedup": "read_ahead_speedup"})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -235,6 +261,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"disk {t['disk_bytes'] / 2**20:7.1f} MiB  hit rate {t['hit_rate']:.3f}  lost rows {t['lost_rows']}")
         print(f"  in memory  {m['samples_per_s']:12,.0f} samples/s  peak RSS {m['rss_bytes'] / 2**20:7.1f} MiB")
         print(f"  evicting   {report['evicting']['samples_per_s']:12,.0f} samples/s")
+        if "tiered_ahead" in report:
+            a = report["tiered_ahead"]
+            print(f"  tiered, read ahead {a['samples_per_s']:12,.0f} samples/s  peak RSS {a['rss_bytes'] / 2**20:7.1f} MiB  "
+                  f"lost rows {a['lost_rows']}; / in memory {report['tiered_ahead_over_in_memory']:.3f}, "
+                  f"/ tiered {report['read_ahead_speedup']:.2f}")
         print(f"  tiered / in memory {report['tiered_over_in_memory']:.2f} (target >= 0.5); evicting / in memory "
               f"{report['eviction_ratio']:.2f} (target >= 0.9); tiered RSS / budget {report['rss_over_budget']:.2f} "
               f"(budget {report['budget_bytes'] / 2**20:.1f} MiB, target <= 1.1)")

@@ -97,6 +97,13 @@ class PrefetchLoader:
         finally:
             self.close()
 
+    def peek(self) -> Batch | None:
+        """The batch the consumer gets next, if the thread has it ready now (it stays queued);
+        else None. For reading a coming batch's rows ahead."""
+        with self._queue.mutex:
+            item = self._queue.queue[0] if self._queue.queue else None
+        return None if item is None or isinstance(item, _Finished) else item
+
     def close(self) -> None:
         """Stops the producer thread (waits at most join_timeout_seconds)."""
         self._stop.set()

@@ -461,6 +461,22 @@ class EmbeddingCollection(torch.nn.Module):
             raise ValueError(f"forward_stacked: features have different dims {sorted(dims)}; use forward()")
         return (names,)
 
+    def read_ahead(self, features, names: list[str] | None = None) -> int:
+        """Fault in the disk-tier records that the lookup of batch `features` will touch
+        (`EmbeddingStore.read_ahead`), for the named features' tables that have a tier; meant for
+        a thread other than the one looking batches up. Returns the records touched."""
+        tiered = {table for table, store in self.stores.items() if store.disk_tier is not None}
+        if not tiered or not features.names:
+            return 0
+        bsz = (len(features.offsets) - 1) // len(features.names)
+        position = {name: f for f, name in reversed(list(enumerate(features.names)))}
+        keys: dict[str, list] = {}
+        for name in self.feature_names if names is None else names:
+            table, f = self.feature_to_table.get(name), position.get(name)
+            if table in tiered and f is not None:
+                keys.setdefault(table, []).append(features.values[features.offsets[f * bsz]:features.offsets[(f + 1) * bsz]])
+        return sum(self.stores[table].read_ahead(np.concatenate(parts)) for table, parts in keys.items())
+
     # ---------------------------------------------------------------- a step in two threads
     def look_ahead(self, features, names: list[str] | None = None) -> LookedAhead:
         """forward_stacked's training lookup (keys inserted) without the pooling, which

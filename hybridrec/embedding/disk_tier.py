@@ -243,15 +243,6 @@ class DiskTier:
         """Forget every row (a checkpoint is being loaded into the store)."""
         self._format(self.tparts[:, T.TP_CAPACITY].copy(), self.tparts[:, T.TP_SLOT_COUNT].copy())
 
-    def read_ahead(self, keys: np.ndarray) -> None:
-        """Bring the home records of `keys` into the page cache (a coming batch's cold rows), so
-        that the lookup that needs them does not wait on the disk. Safe beside a lookup: it
-        only reads."""
-        keys = np.ascontiguousarray(keys, np.uint64)
-        parts = np.empty(keys.shape[0], np.int64)
-        partitions_of(keys, self.nparts, parts)
-        T.touch_pages(self.rec32, self.tparts, parts, keys)
-
     def chunks(self):
         """(keys, rows, counts, clocks) of the used records, a chunk of CHUNK_SLOTS records at a
         time (so reading the whole tier needs one chunk's memory)."""

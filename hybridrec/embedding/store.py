@@ -19,6 +19,7 @@ from . import checkpoint_format
 from . import kernels as K
 from .checkpoint_format import Snapshot
 from .disk_tier import DiskTier
+from .read_ahead import prefault_cold_records
 from .tier_kernels import no_tier
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
@@ -203,6 +204,7 @@ class EmbeddingStore:
         """Open the disk tier the config names (its rows kept from an earlier process), repairing
         it against the memory tier if a process died while writing it."""
         spec = self.config.tier
+        self._ahead_lock = threading.Lock()  # a read-ahead holds it: the tier is not closed under it
         self.disk_tier = None if spec is None else DiskTier(spec["path"], spec["capacity_rows"],
                                                              self.config.row_width, self.nparts)
         self._tier = no_tier() if self.disk_tier is None else self.disk_tier.tier
@@ -368,6 +370,20 @@ class EmbeddingStore:
         keys = check_keys(keys)
         with self._lock:
             return self._probe(keys, K.MODE_TRAIN if insert else K.MODE_FIND)
+
+    def read_ahead(self, keys: np.ndarray) -> int:
+        """Fault in the disk-tier records a coming lookup of `keys` will read or write (the cold
+        keys' and those of the rows it will evict), from the calling thread, while another
+        thread may use the store (read_ahead.py); returns how many. Changes nothing a lookup
+        reads; a store without a tier has nothing to do."""
+        if self.disk_tier is None:
+            return 0
+        keys = np.unique(check_keys(keys))
+        with self._ahead_lock:
+            if self.disk_tier is None:
+                return 0
+            return int(prefault_cold_records(keys, self.r32, self.r64, self.index, self.parts, self.icfg,
+                                             self.scalars, self._tier))
 
     def apply(self, lookup: Lookup, grad_unique: np.ndarray) -> int:
         """One optimizer step with the summed gradient of each unique row of `lookup`.
@@ -726,9 +742,10 @@ class EmbeddingStore:
         for arr in (self.rows, self.meta, self.index, self.parts, self.scalars, self.sketch):
             if isinstance(arr, np.memmap):
                 arr.flush()
-        if self.disk_tier is not None:
-            self.disk_tier.close()
-            self.disk_tier, self._tier = None, no_tier()
+        with self._ahead_lock:
+            if self.disk_tier is not None:
+                self.disk_tier.close()
+                self.disk_tier, self._tier = None, no_tier()
 
 
 def _as_columns(arr: np.ndarray, column: int | None):

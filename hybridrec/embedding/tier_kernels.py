@@ -28,6 +28,7 @@ from numba import njit
 from .hashing import index_hash, scale32, stays_in_run
 
 R_KEY, R_USED, R_COUNT, R_CLOCK = 0, 2, 3, 4  # int32 columns of a record (the key spans 0-1)
+R_PAD = 5  # always 0 (a read-ahead writes it to fault the record's page in writable: read_ahead.py)
 R_ROW = 6  # first float32 column of the row
 # tparts[p, *]
 TP_SLOT_START, TP_SLOT_COUNT, TP_SIZE, TP_CAPACITY = 0, 1, 2, 3
@@ -237,17 +238,3 @@ def remove_keys(tier, parts_of_keys, keys):
             tier[3][p, TP_SIZE] -= 1
             freed += 1
     return freed
-
-
-@njit(cache=True, nogil=True)
-def touch_pages(rec32, tparts, parts_of_keys, keys):
-    """Read the home record of every key: the read-ahead that brings a coming batch's cold
-    records into the page cache before the lookup needs them. Returns a checksum so the reads
-    are not optimised away."""
-    acc = np.int64(0)
-    for i in range(keys.shape[0]):
-        p = parts_of_keys[i]
-        s0 = tparts[p, TP_SLOT_START]
-        ns = tparts[p, TP_SLOT_COUNT]
-        acc += rec32[s0 + scale32(index_hash(keys[i]), ns), R_USED]
-    return acc

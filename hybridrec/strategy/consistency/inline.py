@@ -18,7 +18,9 @@ from hybridrec.embedding.stream import ReadyBatch, update_counts
 class InlineStream:
     """Iterate to get ReadyBatch objects (staleness 0); `push` applies each update at once.
     `skip` batches at the start are read and dropped (resuming mid-epoch); at most `limit` are
-    looked up. Batches are read ahead by a `prefetch`-deep loader thread (0: read in this thread)."""
+    looked up. Batches are read ahead by a `prefetch`-deep loader thread (0: read in this thread);
+    a connection with a `coming` callable (the local placement with disk tiers) is told, as each
+    batch is handed over, the batch after it when the loader has it ready."""
 
     tau = 0
 
@@ -35,6 +37,7 @@ class InlineStream:
     def __iter__(self) -> Iterator[ReadyBatch]:
         looked_up = 0
         source = self._loader if self._loader is not None else self._batches
+        coming = getattr(self._connection, "coming", None) if self._loader is not None else None
         for index, batch in enumerate(source):
             if index < self._skip:
                 continue
@@ -46,6 +49,8 @@ class InlineStream:
                 continue
             looked_up += 1
             self.staleness.append(0)
+            if coming is not None and (following := self._loader.peek()) is not None:
+                coming(following)
             yield ReadyBatch(index, batch, looked, 0)
 
     def push(self, ready: ReadyBatch, grads: dict) -> None:

@@ -19,14 +19,19 @@ from hybridrec.embedding import EmbeddingCollection
 from hybridrec.embedding.checkpoint import load as load_store, load_resharded
 from hybridrec.embedding.disk_tier import TIER_FACTS
 from hybridrec.embedding.inputs import EmbeddingInputs
+from hybridrec.embedding.read_ahead import ReadAhead
 from hybridrec.strategy.placement import PlacementDefaults
 from hybridrec.strategy.placement.checkpoint_layout import local_directory, table_directories
 
 
 class _InProcess:
-    """A connection that hands the batch on: the lookup happens in `LocalPlacement.inputs`."""
+    """A connection that hands the batch on: the lookup happens in `LocalPlacement.inputs`.
+    `coming` (set when tables have disk tiers) takes the batch the stream hands over next."""
 
     bytes_sent = bytes_received = 0
+
+    def __init__(self, coming=None):
+        self.coming = coming
 
     def prepare(self, batch):
         return batch
@@ -51,9 +56,20 @@ class LocalPlacement(PlacementDefaults):
                             for side, side_tables, mapping in (("deep", tables.deep, tables.deep_map),
                                                                ("wide", tables.wide, tables.wide_map))
                             if side_tables}
+        tiered = any(store.disk_tier is not None for c in self.collections.values() for store in c.stores.values())
+        # the coming batch's cold rows are read on a thread of their own during this one's step
+        self._read_ahead = ReadAhead() if tiered else None
+        self._coming = None
 
     def connect(self) -> _InProcess:
-        return _InProcess()
+        return _InProcess(self._note_coming if self._read_ahead is not None else None)
+
+    def _note_coming(self, batch) -> None:
+        self._coming = batch
+
+    def _read_coming(self, batch) -> None:
+        for collection in self.collections.values():
+            collection.read_ahead(batch.sparse, self.names)
 
     def inputs(self, looked, batch, requires_grad: bool) -> EmbeddingInputs:
         if isinstance(looked, dict):  # looked up ahead: {side: LookedAhead}
@@ -63,6 +79,9 @@ class LocalPlacement(PlacementDefaults):
             for side, collection in self.collections.items():
                 collection.train(requires_grad)  # a lookup outside training neither inserts nor updates
                 out[side] = collection.forward_stacked(batch.sparse, self.names)
+            if requires_grad and self._coming is not None:  # this batch's lookup is done: read the next's ahead
+                coming, self._coming = self._coming, None
+                self._read_ahead.submit(self._read_coming, coming)
         wide = out.get("wide")
         return EmbeddingInputs(out.get("deep"), None if wide is None else wide.squeeze(-1))
 
@@ -131,7 +150,8 @@ class LocalPlacement(PlacementDefaults):
                 **({"embedding_tiers": tiers} if tiers else {})}
 
     def close(self) -> None:
-        pass
+        if self._read_ahead is not None:
+            self._read_ahead.close()
 
 
 PLACEMENT = LocalPlacement
