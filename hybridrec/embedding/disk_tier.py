@@ -130,7 +130,7 @@ class DiskTier:
         regions = np.frombuffer(self._regions, np.int64).reshape(1 + self.nparts, T.TP_WIDTH)
         self.header, self.tparts = regions[0], regions[1:]
         self.tdirty = np.ones(-(-self.slots // T.CHUNK_SLOTS), np.uint8)
-        self.seen = np.zeros(T.seen_words(self.capacity_rows), np.uint64)
+        self.seen = np.zeros(T.seen_words(self.capacity_rows, self.nparts), np.uint64)
         self.needs_repair = False
         if not existed or self.header[H_MAGIC] != _MAGIC:
             self._format(caps, slots)

@@ -515,7 +515,7 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
         u = pend[i]
         key = ukeys[u]
         h = uhash[u]
-        on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, key) else np.int64(-1)
+        on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, p, key) else np.int64(-1)
         _fill_row(p, r, key, h, _probe(index, r64, kcol, key, s0, ns, h, row_bits), on_disk, rows, r32, r64, index,
                   parts, icfg, fcfg, seed, tier)
         _mark_use(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, slot_of[u])
@@ -602,7 +602,7 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
         r = _entry_row(index[slot], row_bits)
         if r < 0:
-            on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, key) else np.int64(-1)
+            on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, p, key) else np.int64(-1)
             if on_disk < 0 and (mode == MODE_FIND or (mode == MODE_TRAIN and not admit_all and not _admit_any(
                     key, seed, mult[u], parts, p, icfg, fcfg, sketch))):
                 row_of[u] = -1

@@ -88,7 +88,7 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
         if _in_memory(index, r64, kcol, key, h, parts[p, PT_SLOT_START], parts[p, PT_SLOT_COUNT], row_bits, nrows):
             continue
         absent[p] += 1
-        if maybe_on_disk(tier, key):
+        if maybe_on_disk(tier, p, key):
             _prefault(tier, p, h)
             touched += 1
     if icfg[IC_POLICY] != POLICY_LRU:  # an LFU victim is a sampled row: nothing to foresee

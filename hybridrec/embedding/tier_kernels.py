@@ -51,41 +51,46 @@ def no_tier():
             np.empty((0, TP_WIDTH), np.int64), np.empty(0, np.uint8), np.empty(0, np.uint64))
 
 
-def seen_words(capacity_rows: int) -> int:
-    """uint64 words of the `seen` bitmap: 16 bits per row the tier holds (a key never on disk
-    then passes for one in 1 - e^(-1/16), about 6%, with the tier full), a power of two, at
-    most 8 MiB."""
-    bits = 1 << max(6, min(26, (capacity_rows * 16 - 1).bit_length()))
-    return bits // 64
+def seen_words(capacity_rows: int, nparts: int) -> int:
+    """uint64 words of the `seen` bitmap: a section per partition (its lookup thread sets bits
+    only there: a bit set by one thread cannot undo another's), each 16 bits per row of the
+    partition's share of the tier (a key never on disk then passes for one in 1 - e^(-1/16),
+    about 6%, with the tier full), a power of two, at most 8 MiB in all."""
+    share = -(-capacity_rows // nparts)
+    bits = 1 << max(6, min(26 - (nparts - 1).bit_length(), (share * 16 - 1).bit_length()))
+    return bits // 64 * nparts
 
 
 @njit(inline="always")
-def _seen_bit(seen, key):
+def _seen_bit(seen, p, nparts, key):
+    """(word, mask) of `key`'s bit, in partition p's section of the bitmap."""
+    words = seen.shape[0] // nparts
     h = index_hash(key)
-    bit = (h ^ (h >> np.uint64(29))) & np.uint64(seen.shape[0] * 64 - 1)
-    return bit >> np.uint64(6), np.uint64(1) << (bit & np.uint64(63))
+    bit = (h ^ (h >> np.uint64(29))) & np.uint64(words * 64 - 1)
+    return p * words + np.int64(bit >> np.uint64(6)), np.uint64(1) << (bit & np.uint64(63))
 
 
 @njit(inline="always")
-def maybe_on_disk(tier, key):
-    """False when `key` was never written to the tier (its `seen` bit is clear)."""
-    word, mask = _seen_bit(tier[5], key)
+def maybe_on_disk(tier, p, key):
+    """False when `key`, of partition p, was never written to the tier (its `seen` bit is clear)."""
+    word, mask = _seen_bit(tier[5], p, tier[3].shape[0], key)
     return (tier[5][word] & mask) != 0
 
 
 @njit(inline="always")
-def _note_seen(tier, key):
-    word, mask = _seen_bit(tier[5], key)
+def _note_seen(tier, p, key):
+    word, mask = _seen_bit(tier[5], p, tier[3].shape[0], key)
     tier[5][word] |= mask
 
 
 @njit(cache=True, nogil=True)
 def fill_seen(tier):
     """Set the `seen` bit of every key on the tier (when it is opened again)."""
-    rec32, rec64 = tier[0], tier[1]
-    for s in range(rec32.shape[0]):
-        if rec32[s, R_USED] != 0:
-            _note_seen(tier, rec64[s, 0])
+    rec32, rec64, tparts = tier[0], tier[1], tier[3]
+    for p in range(tparts.shape[0]):
+        for s in range(tparts[p, TP_SLOT_START], tparts[p, TP_SLOT_START] + tparts[p, TP_SLOT_COUNT]):
+            if rec32[s, R_USED] != 0:
+                _note_seen(tier, p, rec64[s, 0])
 
 
 @njit(inline="always")
@@ -188,7 +193,7 @@ def _write(tier, p, key, rows, i, count, clock):
         recf[slot, R_ROW + j] = rows[i, j]
     rec32[slot, R_USED] = 1
     _mark(tier, slot)
-    _note_seen(tier, key)
+    _note_seen(tier, p, key)
     if fresh:
         tparts[p, TP_SIZE] += 1
     return True
