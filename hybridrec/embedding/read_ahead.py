@@ -12,7 +12,8 @@ records: each page comes in writable, through a write fault on this thread, befo
 that reads and writes it. Nothing a lookup reads changes, so results are the same with or without
 it; a guess gone stale (a lookup ran meanwhile) costs only a fault. The kernel reads the index
 and the LRU list without the store's lock (they may change under it: every row number and slot is
-bounds-checked and every walk bounded) and stops once a lookup of the store starts.
+bounds-checked and every walk bounded); it may overlap the lookup it prepares, and stops once
+the one after that starts.
 
 `ReadAhead` is the thread: `submit(fn, *args)` hands it the newest job (a job not yet started
 is replaced: only the next batch is worth reading), `close()` stops it.
@@ -65,13 +66,15 @@ def _in_memory(index, r64, kcol, key, h, s0, ns, row_bits, nrows):
 
 @njit(cache=True, nogil=True)
 def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
-    """Fault in, writable, the home records a lookup of the distinct `keys` will touch on the
-    disk tier: those of keys absent from memory that may be on disk, and, in each full LRU
-    partition, those of the rows its absent keys will evict. Returns the records touched; stops
-    early once the store's lookup count moves (the lookup it prepared for has started)."""
+    """Fault in, writable, the home records a lookup of `keys` will touch on the disk tier, in
+    the order it touches them: those of keys absent from memory that may be on disk, then, in
+    each full LRU partition, those of the rows its absent keys will evict (a key given twice is
+    counted twice: a few victims more). Returns the records touched. It may run beside the
+    lookup it prepares (ahead of it: it does far less per key), and stops once a later lookup
+    of the store starts (its guesses are stale then)."""
     if not has_tier(tier):
         return 0
-    epoch = scalars[SC_EPOCH]
+    stale = scalars[SC_EPOCH] + 2
     meta = icfg[IC_META]
     kcol = meta // 2
     row_bits = icfg[IC_ROW_BITS]
@@ -80,7 +83,7 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
     absent = np.zeros(nparts, np.int64)
     touched = 0
     for i in range(keys.shape[0]):
-        if i % _CHECK_EVERY == 0 and scalars[SC_EPOCH] != epoch:
+        if i % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale:
             return touched
         key = keys[i]
         h = index_hash(key)
@@ -99,7 +102,7 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
         victims = parts[p, PT_SIZE] + absent[p] - parts[p, PT_ROW_COUNT]
         t = parts[p, PT_TAIL]
         for k in range(victims):
-            if t < 0 or t >= nrows or (k % _CHECK_EVERY == 0 and scalars[SC_EPOCH] != epoch):
+            if t < 0 or t >= nrows or (k % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale):
                 break
             _prefault(tier, p, index_hash(r64[t, kcol]))
             touched += 1
