@@ -10,6 +10,8 @@ Persia §4.1 steps (1)-(7):
         lossless mode, `id_codec: unique`: the NN worker pools them itself, from the same
         layout of the same IDs, so no index is sent) or pooled [B, F, D] deep and [B, F] wide
         embeddings (`id_codec: none`, the baseline);
+  (once a pull's rows are in, the worker has the PS servers read the next buffered batch's cold
+        rows ahead, on a thread of its own, when they keep tables on a disk tier;)
   push  the NN worker sends the gradients of what it pulled: the worker maps them back to the
         keys (pooled mode: through the pooling; unique mode: one row per key already), and
         pushes them to the PS, where the fused optimizer applies them; the batch leaves the
@@ -44,6 +46,7 @@ from hybridrec.data.batch import JaggedFeatures
 from hybridrec.job.tables import JobTables
 from hybridrec.ps.client import PSClient
 from hybridrec.embedding.layout import BatchLayout, unpool
+from hybridrec.embedding.read_ahead import ReadAhead
 
 READY = "hybridrec-embedding-worker listening on "  # printed with the address once it serves
 SAMPLE_ID_RANK_SHIFT = 56  # a sample id's first byte is the embedding worker's rank
@@ -97,8 +100,11 @@ class EmbeddingWorker(Service):
         self._lock = threading.Lock()
         self._next_sample = 0
         self.counters = {"puts": 0, "pulls": 0, "pushes": 0, "dropped_batches": 0, "lost_pulls": 0,
-                         "lost_pushes": 0, "dropped_updates": 0, "unacknowledged_pushes": 0}
+                         "lost_pushes": 0, "dropped_updates": 0, "unacknowledged_pushes": 0, "read_aheads": 0,
+                         "read_ahead_records": 0, "lost_read_aheads": 0}
         self._dims = {name: cfg.dim for name, cfg in tables.all_tables().items()}
+        self._read_ahead = ReadAhead("hybridrec-worker-read-ahead")
+        self._tiered: list[str] | None = None  # the PS servers' tables with a disk tier, asked at the first pull
         operations = {
             "ping": Operation(self._ping),
             "put": Operation(self._put, arrays=None),
@@ -110,8 +116,11 @@ class EmbeddingWorker(Service):
         self.transport = Server(operations, host=host, port=port, threads=threads, max_connections=max_connections)
 
     def _release(self) -> None:
-        for client in self._ps_clients:
-            client.close()
+        try:
+            self._read_ahead.close()
+        finally:
+            for client in self._ps_clients:
+                client.close()
 
     def _client(self) -> PSClient:
         client = getattr(self._ps, "client", None)
@@ -182,6 +191,8 @@ class EmbeddingWorker(Service):
             return Message("pull", meta={"lost": True})
         layout = self._layout(entry)
         rows = self._client().lookup_tables(layout.unique, insert=train, unique=True)  # deduplicated by the layout
+        if train and self._tiered != []:
+            self._read_next(first)
         meta: dict[str, Any] = {"lost": False, "batch_size": layout.batch_size, "num_features": layout.num_features,
                                 "layout": "unique" if self.unique_rows else "pooled"}
         if self.unique_rows:  # lossless: each unique row once; the NN worker pools (same layout, no index sent)
@@ -197,6 +208,36 @@ class EmbeddingWorker(Service):
             arrays.update(part_arrays)
         self._count("pulls")
         return Message("pull", arrays, meta)
+
+    def _read_next(self, first: int) -> None:
+        """Have the servers read ahead the cold rows of the batch buffered after `first` (the
+        next to be pulled, in put order), if any, on the read-ahead thread."""
+        with self._lock:
+            after = False
+            for sample, entry in self._buffer.items():
+                if after:
+                    break
+                after = sample == first
+            else:
+                return
+        self._read_ahead.submit(self._read_coming, entry)
+
+    def _read_coming(self, entry: _Buffered) -> None:
+        client = self._client()
+        if self._tiered is None:
+            self._tiered = [t for t in client.tiered_tables() if t in self._dims]
+        layout = self._layout(entry)
+        wanted = {table: layout.unique[table] for table in self._tiered if table in layout.unique}
+        if not wanted:
+            return
+        try:
+            touched = client.read_ahead_tables(wanted)
+        except (TimeoutError, ConnectionError):  # a hint lost with its server: the pull will fault the rows in
+            self._count("lost_read_aheads")
+            return
+        with self._lock:
+            self.counters["read_aheads"] += 1
+            self.counters["read_ahead_records"] += touched
 
     def _gradients(self, request: Message, layout: BatchLayout) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """(keys, gradient rows) per table from a push, every part checked before any is used."""

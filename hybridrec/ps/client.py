@@ -372,6 +372,20 @@ class PSClient:
         self._routed("lookup_many", tables, unique_keys, {"insert": bool(insert)}, receive)
         return {t: r if inverse is None else r[inverse] for t, r, inverse in zip(tables, rows, inverses)}
 
+    def tiered_tables(self) -> list[str]:
+        """The tables whose servers keep a disk tier under them (as the first server says)."""
+        return sorted(self.shards[0].request("ping", idempotent=True).meta.get("tiered", []))
+
+    def read_ahead_tables(self, keys_by_table: Mapping[str, np.ndarray]) -> int:
+        """Have each server fault in the disk-tier records that a coming lookup of these
+        (distinct) keys will touch: a hint, answered with nothing but the count of records,
+        which is returned (summed over the servers)."""
+        tables, unique_keys, _ = self._dedupe(keys_by_table, unique=True)
+        touched = []
+        self._routed("read_ahead", tables, unique_keys, {},
+                     lambda server, parts, reply: touched.append(int(reply.meta.get("touched", 0))))
+        return sum(touched)
+
     def _dedupe(self, keys_by_table: Mapping[str, np.ndarray],
                 unique: bool) -> tuple[list[str], list[np.ndarray], list[np.ndarray | None]]:
         """Tables, their unique keys (first-seen order) and each key's index among them (None:

@@ -177,6 +177,7 @@ class EmbeddingServer(Service):
             "lookup": Operation(self._lookup, {"keys": "uint64"}),
             "push": Operation(self._push, arrays=None),  # keys + the codec's arrays
             "lookup_many": Operation(self._lookup_many, arrays=None),  # keys.<i>
+            "read_ahead": Operation(self._read_ahead, arrays=None),  # keys.<i>
             "push_many": Operation(self._push_many, arrays=None),  # keys.<i> + <i>.<codec array>
             "dense_init": Operation(self._dense_init, arrays=None),
             "dense_pull": Operation(self._dense_pull),
@@ -231,7 +232,8 @@ class EmbeddingServer(Service):
 
     def _ping(self, request: Message) -> Message:
         return Message("ping", meta={"pid": os.getpid(),
-                                     "tables": {n: s.dim for n, s in self.stores.items()}})
+                                     "tables": {n: s.dim for n, s in self.stores.items()},
+                                     "tiered": sorted(n for n, s in self.stores.items() if s.disk_tier is not None)})
 
     def _stores_of(self, meta: dict[str, Any]) -> list[EmbeddingStore]:
         """The store of each name in meta 'tables' (a many-table request)."""
@@ -324,6 +326,17 @@ class EmbeddingServer(Service):
                 reply.update(part_arrays(i, encoded.arrays))
                 codec_meta.append(encoded.meta)
         return Message("lookup_many", reply, {"codec": codec.name, "codec_meta": codec_meta})
+
+    def _read_ahead(self, request: Message) -> Message:
+        """Fault in the disk-tier records that a coming lookup of these keys will touch
+        (`EmbeddingStore.read_ahead`; an embedding worker sends it for the batch after the one it
+        has just pulled). It changes no row, so keys of buckets that moved are no reason to refuse it."""
+        stores = self._stores_of(request.meta)
+        arrays = dict(request.arrays)
+        keys = self._many_keys(arrays, len(stores))
+        if arrays:
+            raise ValueError(f"read_ahead takes only arrays keys.0..keys.{len(stores) - 1}, also got {sorted(arrays)}")
+        return Message("read_ahead", meta={"touched": sum(store.read_ahead(k) for store, k in zip(stores, keys))})
 
     def _push_many(self, request: Message) -> Message:
         stores = self._stores_of(request.meta)
