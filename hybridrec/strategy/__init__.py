@@ -38,7 +38,6 @@ class Strategy:
         """The dense sync of this strategy around `model` (made after the embeddings were restored:
         ps_async takes the dense parameters from the PS servers)."""
         self.dense = make_dense(self.axes["dense"], model, self.cfg, self.world, self.placement.services)
-        self.consistency.lockstep = self.dense.lockstep
         return self.dense
 
     @property

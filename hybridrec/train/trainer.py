@@ -392,7 +392,7 @@ class Trainer:
             return LocalPipeline(run.strategy.placement, run.sources.train, skip, remaining, cfg.data.prefetch,
                                  lambda k: self._scheduled(base + k), run.split.embedding)
         return run.strategy.consistency.open(run.strategy.placement, run.sources.train, skip, remaining,
-                                             cfg.data.prefetch)
+                                             cfg.data.prefetch, lockstep=run.strategy.lockstep)
 
     def _ready_batches(self, stream: EmbeddingStream):
         """The stream's batches while every trainer stepping with this one has one (one out of

@@ -2,7 +2,8 @@
 
 Each value is a class built with (cfg, tables, world, services: the placement's typed services,
 hybridrec.strategy.services) with `tau` (how many of this trainer's updates may still be in
-flight when a batch is looked up) and `open(placement, batches, skip, limit, prefetch)`, which
+flight when a batch is looked up) and `open(placement, batches, skip, limit, prefetch, lockstep)`
+(lockstep: the trainers take every step together, the dense sync's property), which
 gives the training loop its stream of ready batches (hybridrec.embedding.stream): the threaded
 pipeline when the placement offers lookups off the training thread, the inline stream otherwise.
 `make_consistency` builds the value named by `strategy.consistency` from the module
@@ -21,16 +22,16 @@ from hybridrec.persia.staleness import StalenessTelemetry
 class Consistency:
     tau = 0
     synchronous = False  # every lookup sees every trainer's earlier updates (sync), not only its own
-    lockstep = False  # the trainers take every step together (the dense sync's; set by the Strategy)
 
     def __init__(self, cfg, tables, world, services):
         self.cfg, self.tables, self.world, self.services = cfg, tables, world, services
         self.telemetry = StalenessTelemetry(cfg.train.output_dir)  # the threaded pipelines' timelines
 
-    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
+    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0,
+             lockstep: bool = False):
         if self.services.background_lookups:
             # synchronous lockstep trainers meet at a barrier after each update, before the next lookup
-            across = self.world.barrier if self.synchronous and self.lockstep and self.world.size > 1 else None
+            across = self.world.barrier if self.synchronous and lockstep and self.world.size > 1 else None
             pipeline = EmbeddingPipeline(batches, placement.connect, self.tau, skip=skip, limit=limit, across=across)
             self.telemetry.add(pipeline.timeline)
             return pipeline

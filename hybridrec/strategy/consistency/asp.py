@@ -61,7 +61,8 @@ class Asp(Consistency):
         self.read_ahead = cfg.strategy.asp.read_ahead
         self.tau = self.read_ahead
 
-    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
+    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0,
+             lockstep: bool = False):
         return AspPipeline(batches, placement.connect, self.read_ahead, skip=skip, limit=limit)
 
 

@@ -24,7 +24,8 @@ class Het(Consistency):
         self.trainer: HetTrainer | None = None  # made at the first epoch, once the PS servers hold the tables
         self._client = None
 
-    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0) -> HetStream:
+    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0,
+             lockstep: bool = False) -> HetStream:
         if self.servers.route != "direct":
             raise UserError("consistency het: HET's trainers talk to the PS servers directly, but this job has "
                             "embedding workers; run it with none (strategy.roles.embedding_workers: 0, "

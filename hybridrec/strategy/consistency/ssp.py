@@ -107,7 +107,8 @@ class Ssp(Consistency):
         self.acknowledged = 0  # its iterations done (the pusher's): its clock
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0):
+    def open(self, placement, batches, skip: int = 0, limit: int | None = None, prefetch: int = 0,
+             lockstep: bool = False):
         world = self.world
 
         def connect(closing: threading.Event):
