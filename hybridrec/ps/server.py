@@ -82,7 +82,7 @@ from hybridrec.het.clocks import MAX_WORLD, ClockOps
 from hybridrec.ps.checkpoints import CheckpointJobs, CheckpointRoot
 from hybridrec.ps.dense import DenseStore
 from hybridrec.ps.ownership import BucketOwnership, parse_mask, warm_move_kernels
-from hybridrec.ps.replication import Replication, push_id
+from hybridrec.ps.replication import Replication, forward_bytes_limit, push_id
 from hybridrec.ps.resharding import ROUTING_FILE, load_owned
 
 TableSpec = TableConfig | Mapping[str, Any] | EmbeddingStore
@@ -189,7 +189,8 @@ class EmbeddingServer(Service):
             "shutdown": Operation(self._shutdown),
         }
         self.ownership = BucketOwnership(self._current_stores, routed=routed, state_dir=state_dir)
-        self.replication = Replication(self.ownership, self._current_stores, key=resolve_key(key))
+        self.replication = Replication(self.ownership, self._current_stores, key=resolve_key(key),
+                                       max_forward_rows=max_keys_per_request)
         operations.update(self.ownership.operations())
         operations.update(self.replication.operations())
         self.clock_ops = ClockOps(self._stores_of, self._count_keys, max_trainers)
@@ -201,7 +202,8 @@ class EmbeddingServer(Service):
         # their own: on the main port a forward could wait for a worker that itself waits on a
         # forward the other way (every worker of two servers forwarding to each other).
         self.replica_lane = None if not routed else Server(
-            self.replication.operations(), host=host, port=0, threads=threads, max_request_bytes=limit, key=key,
+            self.replication.operations(), host=host, port=0, threads=threads, key=key,
+            max_request_bytes=max(limit, forward_bytes_limit(self.stores, max_keys_per_request)),
             max_connections=max_connections)
 
     def start(self) -> int:

@@ -1,13 +1,17 @@
 """Elastic PS servers in one process: buckets move between servers while a client pulls and
 pushes, and no update is lost or applied twice (plain SGD, lr 1: a row is its first value minus
 the sum of every gradient pushed to it)."""
+import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hybridrec.comm.transport import Client, RemoteError
+from hybridrec.embedding.buckets import bucket_of
+from hybridrec.embedding.hashing import table_route_id
 from hybridrec.ps import PSClient, serve
 from hybridrec.ps.migration import Coordinator
 
@@ -104,6 +108,12 @@ def test_a_server_refuses_a_bucket_it_does_not_own_with_its_newer_table_and_surv
         with pytest.raises(RemoteError, match="rows"):
             raw.request("bucket_import", {"buckets": np.array([1]), "0.rows": np.zeros((1, 3), np.float32)},
                         {"tables": ["user"]})
+        good = {"stream": ["s", 1], "entries": [[None, ["user"]]]}
+        for meta, match in (({**good, "stream": ["s", 0]}, "stream"), ({**good, "entries": []}, "entries"),
+                            ({**good, "entries": [[None, ["nope"]]]}, "table names"),
+                            (good, "rows")):  # the rows are missing
+            with pytest.raises(RemoteError, match=match):
+                raw.request("replica_put", {}, meta)
         assert raw.request("ping").meta["pid"]
     coordinator.close()
 
@@ -182,16 +192,29 @@ def test_with_replicas_a_lost_server_fails_over_to_the_backups_and_loses_no_ackn
             server.stop(timeout=5)
 
 
+@contextlib.contextmanager
+def replicated_pair(clients):
+    """Two routed servers, each the other's backup, a started coordinator and `clients` PSClients."""
+    running = [serve(tables=TABLES, block=False, key=None, routed=True) for _ in range(2)]
+    addresses = [s.address for s in running]
+    coordinator = Coordinator(addresses, list(TABLES), replicas=2, key=None)
+    made = [PSClient(addresses, key=None, timeout=600) for _ in range(clients)]  # a lost server is noticed
+    try:
+        coordinator.start()
+        yield running, coordinator, made
+    finally:
+        for client in made:
+            client.close()
+        coordinator.close()
+        for server in running:
+            server.stop(timeout=5)
+
+
 def test_concurrent_pushes_on_replicated_servers_reach_their_backups_without_waiting_on_each_other():
     """Two servers, each the other's backup, with more pushers than worker threads: every forward
     arrives (on the backup's own forwarding port, so a forward never waits for a worker that
     waits on a forward the other way), and after a failover every row still holds every update."""
-    running = [serve(tables=TABLES, block=False, key=None, routed=True) for _ in range(2)]
-    addresses = [s.address for s in running]
-    coordinator = Coordinator(addresses, list(TABLES), replicas=2, key=None)
-    clients = [PSClient(addresses, key=None, timeout=600) for _ in range(4)]
-    try:
-        coordinator.start()
+    with replicated_pair(clients=4) as (running, coordinator, clients):
         ledgers = [Ledger(client, np.uint64(i) << np.uint64(40)) for i, client in enumerate(clients)]
         errors = []
 
@@ -210,12 +233,45 @@ def test_concurrent_pushes_on_replicated_servers_reach_their_backups_without_wai
         assert not errors and not any(p.is_alive() for p in pushers), errors
         assert [s.replication.counts["forward_failures"] for s in running] == [0, 0]
         running[0].stop(timeout=5)
-        coordinator.fail_over(addresses[0])
+        coordinator.fail_over(running[0].address)
         for ledger in ledgers:
             ledger.check()
-    finally:
-        for client in clients:
-            client.close()
-        coordinator.close()
-        for server in running:
-            server.stop(timeout=5)
+
+
+def test_two_pushes_of_one_key_reach_the_backup_in_the_order_the_primary_applied_them():
+    """Two clients push the same key at once. The first push's forward is held at the backup
+    until the second push's forward has arrived there too, or waits behind the first at the
+    primary: the backup must end with the row read after both pushes, so that after a failover
+    the key holds both acknowledged updates (an older forward delivered last would undo one)."""
+    with replicated_pair(clients=2) as (running, coordinator, clients):
+        key = np.array([12345], np.uint64)
+        first = clients[0].lookup("user", key)
+        bucket = bucket_of(key, table_route_id("user"))[0]
+        primary, backup = running[coordinator.table.owners[bucket]], running[coordinator.table.backups[bucket]]
+        store = backup.stores["user"]
+        insert_rows, held, second = store.insert_rows, threading.Event(), threading.Event()
+
+        def hold_the_first(rows, meta):
+            if held.is_set():
+                insert_rows(rows, meta)
+                second.set()
+                return
+            held.set()
+            bound = time.monotonic() + 60  # a bound for a broken server only
+            while not second.is_set() and not primary.replication.waiting() and time.monotonic() < bound:
+                time.sleep(0.005)
+            insert_rows(rows, meta)
+
+        store.insert_rows = hold_the_first
+        grads = [np.array([[1, 2, 3, 4]], np.float32), np.array([[10, 20, 30, 40]], np.float32)]
+        pushes = [threading.Thread(target=client.push_tables, args=({"user": (key, g)},))
+                  for client, g in zip(clients, grads)]
+        pushes[0].start()
+        assert held.wait(60)
+        pushes[1].start()
+        for push in pushes:
+            push.join(60)
+        assert not any(push.is_alive() for push in pushes)
+        primary.stop(timeout=5)
+        coordinator.fail_over(primary.address)
+        np.testing.assert_allclose(clients[0].lookup("user", key), first - grads[0] - grads[1], atol=1e-5)
