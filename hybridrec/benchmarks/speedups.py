@@ -15,23 +15,27 @@ Pairs (strategy against baseline, the same config, data and seed, 2 trainers; ea
   ht       Hierarchical Training (one group of the trainers: `bench ht`'s ht_1x2) against EASGD
            (a dense replica per trainer), 1 PS server and 1 embedding worker.
 Each pair runs `--runs` times on loopback and `--runs` times on `--emulate-hosts` hosts at
-`--bandwidth` (one role per host unless fewer hosts are given), the baseline and the strategy
+`--bandwidth` (one role per host unless fewer hosts are given; HET's pair as HET's cluster A is
+laid out, its trainers on one host, whose dense AllReduce then stays inside it as the GPU workers'
+does over PCIe, and each PS server on a host of its own), the baseline and the strategy
 alternating; a ratio is the median of the runs' paired ratios (strategy / baseline samples/s).
 Before them, every side's job runs once for 2 steps, untimed, on loopback (`--no-warmup` skips
 it), so that no timed job compiles the kernels. With `--ray ADDRESS` every job runs on that Ray
 cluster as `hybridrec launch --ray` runs it; with `--ray auto --emulate-hosts N`, each
 emulated-host job on a Ray cluster of its own across the hosts (a head node and a worker node
 per host; Ray, not the bench, places the roles). Each run also records the cores other work on
-the machine took meanwhile (hybridrec.costs.machine; not measured for Ray's roles, which are not
-the bench's children), which the cost model's prediction of that run leaves to other work.
+the machine took over the job's life and while it trained (hybridrec.costs.machine; not measured
+for Ray's roles, which are not the bench's children); the cost model's prediction of that run
+leaves the latter to other work.
 Link-bound is shown by the baseline's payload on its busiest link: its embedding bytes per sample
 times samples/s, over the hosts that share the busiest hop (the embedding worker's link carries
 all of Persia's payload; the trainers' links share HET's and the sharded placements'), against
 the shaped rate (dense allreduce traffic comes on top; it is not counted).
 
 With `--calibration FILE` (`hybridrec calibrate`'s) every run is also predicted by the cost model
-(`hybridrec.costs.model`) and the median absolute error of the predictions is reported; with
-`--project`, the papers' own clusters are projected.
+(`hybridrec.costs.model`) and the median absolute error of the predictions is reported, and the
+papers' own clusters are projected. `--reevaluate RESULT --calibration FILE` runs no job: it
+predicts the runs a recorded result holds (after a change of the model or a new calibration).
 
 `--json` prints one line: {"loopback": {"het": r, "hybrid": r, "picasso": r, "des": r, "ht": r},
 "link_bound": {"rate": "...", "het": r, ...}, "projection": {"median_abs_error": e, "papers": {...}},
@@ -65,18 +69,22 @@ TARGETS = {"loopback": {name: 0.95 for name in STRATEGIES},
 # every job's data and length: 12 steps per trainer (HET, at batch 128: 48), about 12k samples a
 # job, so that the bench's 20 jobs per run end within minutes on 2 shared cores even where a link
 # binds; a first lookup over a slow link on shared cores can take long
+SAMPLE_EVERY = 0.25  # seconds between samples of the machine's use while a job runs
 SIZE = ["data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096", "train.max_steps=12",
         "strategy.request_timeout=300"]
 
 
 @dataclass(frozen=True)
 class Side:
-    """One job of a pair: its overrides, its roles, and how many hosts share its busiest hop."""
+    """One job of a pair: its overrides, its roles, how many hosts share its busiest hop, and on
+    emulated hosts whether its trainers share one host with every server on a host of its own
+    (else one role per host)."""
 
     overrides: list
     ps: int | None
     embedding_workers: int | None
     busiest_share: int  # hosts whose links carry the counted payload side by side
+    trainers_together: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,10 @@ def pairs() -> dict[str, Pair]:
     het_s100 = [*HET_DIRECT, "strategy.consistency=het", f"strategy.het.staleness={STALENESS['s100']}"]
     easgd, ht = (ht_bench.variants(2, [1])[name] for name in ("easgd_2", "ht_1x2"))
     return {
-        "het": Pair("configs/het_synthetic.yaml", Side([*HET_DIRECT, "strategy.consistency=sync"], 2, 0, 2),
-                    Side(het_s100, 2, 0, 2), "HET: the cache cuts communication, 1.37-20.68x over the baselines",
+        # HET's cluster A: the GPU workers' dense AllReduce runs inside their node (PCIe), and the
+        # embeddings cross the 1 Gbit/s Ethernet to the CPU servers (HET §5)
+        "het": Pair("configs/het_synthetic.yaml", Side([*HET_DIRECT, "strategy.consistency=sync"], 2, 0, 1, True),
+                    Side(het_s100, 2, 0, 1, True), "HET: the cache cuts communication, 1.37-20.68x over the baselines",
                     extra=["train.max_steps=48"]),
         "hybrid": Pair("configs/persia_synthetic.yaml", Side(DISCIPLINES["sync"], 2, 1, 1),
                        Side(DISCIPLINES["hybrid"], 2, 1, 1), "Persia Fig. 7: hybrid up to 7.12x over sync"),
@@ -139,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("--no-warmup", {"action": "store_true",
                              "help": "skip the untimed 2-step job of every side that compiles the kernels first"}),
             ("--calibration", {"metavar": "FILE", "help": "`hybridrec calibrate`'s file: predict every run"}),
+            ("--reevaluate", {"metavar": "RESULT", "action": "append",
+                              "help": "run no job: predict the runs of a recorded result (a docs/results/speedups*.json "
+                                      "file or this bench's --json line) with --calibration; repeatable (each "
+                                      "setting's runs from the last file that has them)"}),
             ("--timeout", {"type": float, "default": 900.0, "help": "seconds per job (default 900)"}),
             ("--keep", {"metavar": "DIR", "help": "keep the jobs' output directories under DIR"}),
             ("--verbose", {"action": "store_true", "help": "show the launcher's output of every job"}),
@@ -168,12 +182,20 @@ def roles_of(side: Side, trainers: int) -> int:
     return trainers + (side.ps or 0) + (side.embedding_workers or 0)
 
 
-def emulation_for(args, roles: int):
-    """The emulated hosts of one job: --emulate-hosts hosts, or one per role when it is 0."""
+def emulation_for(args, side: Side):
+    """The emulated hosts of one job: --emulate-hosts hosts (roles round-robin); without it one
+    host per role, or for a side whose trainers go together, their host and one per server."""
     from hybridrec.parallel.emulated_hosts import MAX_HOSTS, HostEmulation, parse_rate
 
-    hosts = args.emulate_hosts or min(roles, MAX_HOSTS)
-    return HostEmulation(hosts, parse_rate(args.bandwidth), (args.latency or 0.0), {})
+    rate, latency = parse_rate(args.bandwidth), (args.latency or 0.0)
+    if args.emulate_hosts:
+        return HostEmulation(args.emulate_hosts, rate, latency, {})
+    if side.trainers_together:
+        servers = [f"ps{i}" for i in range(side.ps or 0)] + [f"ew{i}" for i in range(side.embedding_workers or 0)]
+        place = {**{f"trainer{k}": 0 for k in range(args.trainers)},
+                 **{server: host for host, server in enumerate(servers, start=1)}}
+        return HostEmulation(1 + len(servers), rate, latency, place)
+    return HostEmulation(min(roles_of(side, args.trainers), MAX_HOSTS), rate, latency, {})
 
 
 def figures_of(metrics: dict, side: Side) -> dict:
@@ -202,6 +224,26 @@ def warm_up(args, names: list[str], root: Path) -> None:
     _log(f"warm-up done: {2 * len(names)} jobs of 2 steps")
 
 
+def model_jobs(name: str, runs: dict, trainers: int, overrides: list[str], recorded: dict | None = None) -> dict:
+    """{side: the cost model's Job fields} of a pair's runs (their median payload and collectives);
+    `recorded`: the jobs a result recorded, whose hosts' layout (busiest_share, dense_on_link) the
+    runs were taken on."""
+    pair = pairs()[name]
+    jobs = {}
+    for which in ("baseline", "strategy"):
+        side = getattr(pair, which)
+        layout = {"busiest_share": side.busiest_share, "dense_on_link": not side.trainers_together}
+        if recorded:
+            layout = {key: recorded[which].get(key, default) for key, default in
+                      (("busiest_share", side.busiest_share), ("dense_on_link", True))}
+        jobs[which] = asdict(job_of(pair.config, [*SIZE, *pair.extra, *overrides, *side.overrides], pair.extra, name,
+                                    which, trainers, _median([r["bytes_per_sample"] for r in runs[which]]),
+                                    layout["busiest_share"], side.ps, side.embedding_workers,
+                                    _median([r["collectives_per_step"] for r in runs[which]]),
+                                    dense_on_link=layout["dense_on_link"]))
+    return jobs
+
+
 def run_setting(args, names: list[str], root: Path, emulated: bool) -> dict:
     """{strategy: {"ratio": median paired ratio, "baseline": [runs], "strategy": [runs]}}."""
     out = {}
@@ -212,30 +254,27 @@ def run_setting(args, names: list[str], root: Path, emulated: bool) -> dict:
         for run in range(args.runs):
             for which in ("baseline", "strategy"):
                 side = getattr(pair, which)
-                emulation = emulation_for(args, roles_of(side, args.trainers)) if emulated else None
+                emulation = emulation_for(args, side) if emulated else None
                 tag = f"{name}-{which}-{'emulated' if emulated else 'loopback'}-run{run}"
-                with MachineUse(counts_job=args.ray is None) as use:  # a Ray cluster's roles are not our children
+                # a Ray cluster's roles are not our children
+                with MachineUse(counts_job=args.ray is None, sample_every=SAMPLE_EVERY) as use:
                     metrics = side_job(args, pair, side, f"{name} {which}", root / tag, emulation)
                 figures = figures_of(metrics, side)
                 figures["hosts"] = emulation.hosts if emulation else None
-                figures["background_cores"] = use.figures()["background_cores"]
+                use_figures = use.figures(metrics.get("training_window"))
+                figures["background_cores"] = use_figures["background_cores"]
+                figures["training_background_cores"] = use_figures["training_background_cores"]
                 runs[which].append(figures)
+                other = figures["training_background_cores"]
                 _log(f"{tag}: samples/s {figures['samples_per_s'] or 0:.0f} bytes/sample "
                      f"{figures['bytes_per_sample'] or 0:.0f}"
                      + (f" busiest link {figures['busiest_link_bits_per_s'] / 1e6:.1f} Mbit/s"
                         if figures["busiest_link_bits_per_s"] else "")
-                     + (f"; other work took {figures['background_cores']:.2f} cores"
-                        if figures["background_cores"] is not None else ""))
+                     + (f"; other work took {other:.2f} cores while it trained" if other is not None else ""))
         ratios = [s["samples_per_s"] / b["samples_per_s"] for b, s in zip(runs["baseline"], runs["strategy"])
                   if s["samples_per_s"] and b["samples_per_s"]]
-        jobs = {which: asdict(job_of(pair.config, [*SIZE, *pair.extra, *args.set, *getattr(pair, which).overrides],
-                                     pair.extra, name, which, args.trainers,
-                                     _median([r["bytes_per_sample"] for r in runs[which]]),
-                                     getattr(pair, which).busiest_share, getattr(pair, which).ps,
-                                     getattr(pair, which).embedding_workers,
-                                     _median([r["collectives_per_step"] for r in runs[which]])))
-                for which in runs}
-        out[name] = {"ratio": _median(ratios), "ratios": ratios, "claim": pair.claim, "jobs": jobs,
+        out[name] = {"ratio": _median(ratios), "ratios": ratios, "claim": pair.claim,
+                     "jobs": model_jobs(name, runs, args.trainers, args.set),
                      "baseline_busiest_link_bits_per_s": _median([b["busiest_link_bits_per_s"]
                                                                   for b in runs["baseline"]]),
                      **runs}
@@ -281,7 +320,53 @@ def print_report(result: dict) -> None:
         print(f"targets {setting}: " + ", ".join(f"{n} {'met' if ok else 'missed'}" for n, ok in met.items()))
 
 
+def recorded_report(parser, path: str) -> dict:
+    """The report of a recorded result file (its "report") or of a saved --json line."""
+    try:
+        recorded = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--reevaluate {path}: not a readable JSON file ({exc})")
+    report_ = recorded.get("report", recorded) if isinstance(recorded, dict) else None
+    if not isinstance(report_, dict) or not isinstance(report_.get("runs"), dict):
+        parser.error(f"--reevaluate {path}: no \"runs\" of bench speedups in it (a docs/results/speedups*.json "
+                     "file or this bench's --json line is)")
+    return report_
+
+
+def reevaluate(parser, args) -> dict:
+    """The cost model of this code and `--calibration` against the runs of recorded results: their
+    jobs made again from the recorded payloads, collectives and settings, no job run."""
+    if not args.calibration:
+        parser.error("--reevaluate needs --calibration FILE (the calibration to predict the runs with)")
+    from hybridrec.costs.model import validate_and_project
+    from hybridrec.parallel.emulated_hosts import parse_rate
+
+    runs, rate, sources = {"loopback": {}, "link_bound": {}}, None, {}
+    for path in args.reevaluate:
+        recorded = recorded_report(parser, path)
+        settings = recorded.get("settings") or {}
+        overrides = [o for o in settings.get("set", SIZE) if o not in SIZE]
+        for setting in runs:
+            found = recorded["runs"].get(setting) or {}
+            if found:
+                runs[setting] = {name: {**result, "jobs": model_jobs(name, result, settings.get("trainers", 2),
+                                                                     overrides, result.get("jobs"))}
+                                 for name, result in found.items()}
+                sources[setting] = path
+                if setting == "link_bound":
+                    rate = (recorded.get("link_bound") or {}).get("rate")
+    projection = validate_and_project(args.calibration, runs, parse_rate(rate) if rate else None)
+    result = report(runs["loopback"], runs["link_bound"], rate, projection)
+    result["settings"] = {"reevaluated": sources, "calibration": args.calibration}
+    print_report(result)
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
 def headline(result: dict) -> dict:
+    if (result.get("settings") or {}).get("reevaluated"):  # the runs' ratios are the recorded result's figures
+        return pick(result.get("projection"), {"cost model median abs error": "median_abs_error"})
     figures = {f"loopback {n} / baseline": r for n, r in result.get("loopback", {}).items()}
     link = result.get("link_bound", {})
     figures.update({f"{link.get('rate')} {n} / baseline": link[n] for n in STRATEGIES if n in link})
@@ -301,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_ray(parser, args)
     if args.calibration and not Path(args.calibration).is_file():
         parser.error(f"--calibration {args.calibration}: no such file")
+    if args.reevaluate:
+        return reevaluate(parser, args)
     if args.bandwidth is not None:
         from hybridrec.parallel.emulated_hosts import check_support, parse_rate
         try:

@@ -6,9 +6,10 @@ Measured, each the median of `repeats` timings after a warm-up:
              thread (a trainer's share of a core), with the inputs `hybridrec plan` traces (random
              embeddings and features), at the config's batch size and a quarter of it: seconds
              per sample and per step (the fixed dispatch cost), and its parameter count; and a
-             whole training step in one process (30 steps of the local placement: data,
-             embedding lookups and updates, dense step, the loop; the marginal cost per sample
-             between a short and a 4x longer run after a warm-up run);
+             whole training step in one process on one thread, as a trainer of a job of several
+             processes runs (the local placement: data, embedding lookups and updates, dense
+             step, the loop; the marginal cost per sample between a 20- and an 80-step run after
+             a warm-up run);
   kernel     seconds per key of the embedding engine's lookup plus its fused update
              (EmbeddingStore.pull then push, Zipf keys, dim 16, one thread);
   transport  a PS server on loopback, in this process: the round trip of a one-key lookup (wall
@@ -88,10 +89,13 @@ def dense_costs(cfg, repeats: int) -> dict:
 
 def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 20) -> float:
     """A whole training step of the job's model in one process (the local placement: its data
-    reading, embedding lookups and updates, dense step and loop), on one torch thread, per
-    sample: the marginal CPU seconds between a run of `steps` steps and one of 4 x `steps`, after a
-    warm-up run, so that neither the first compilation of the kernels nor a run's fixed costs (its
-    start, its tables' first rows, its evaluation) count."""
+    reading, embedding lookups and updates, dense step and loop), per sample: the marginal CPU
+    seconds between a run of `steps` steps and one of 4 x `steps`, after a warm-up run, so that
+    neither the first compilation of the kernels nor a run's fixed costs (its start, its tables'
+    first rows, its evaluation) count. It runs on one thread (`train.threads=1`), as every trainer
+    of a job of several processes does: the local placement's own default takes every core, and
+    torch's OpenMP threads then spin-wait in each step's many small parallel regions, CPU seconds
+    that a trainer of one thread never spends."""
     import tempfile
 
     import torch
@@ -101,19 +105,19 @@ def local_seconds_per_sample(config: str, overrides: list[str], steps: int = 20)
 
     def seconds(length: int) -> tuple[int, float]:
         with tempfile.TemporaryDirectory(prefix="hybridrec-calibrate-") as out:
-            cfg = load_config(config, [*overrides, "strategy.preset=local", f"train.max_steps={length}",
-                                       "data.synthetic.train_rows=16384", "data.synthetic.test_rows=4096",
+            cfg = load_config(config, [*overrides, "strategy.preset=local", "train.threads=1",
+                                       f"train.max_steps={length}", "data.synthetic.train_rows=16384",
+                                       "data.synthetic.test_rows=4096",
                                        "train.epochs=100", "train.progress=false", f"train.output_dir={out}"])
             start = time.process_time()
             result = train(cfg, overwrite=True)
         return result["samples"], time.process_time() - start
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         seconds(steps)  # compiles and warms up
         (short, t_short), (long, t_long) = seconds(steps), seconds(4 * steps)
-    finally:
+    finally:  # training set torch's threads to train.threads
         torch.set_num_threads(threads)
     if long > short and t_long > t_short:
         return (t_long - t_short) / (long - short)

@@ -25,7 +25,8 @@ Per sample, three bounds (each a samples/s ceiling of the whole job):
   latency  ROUND_TRIPS request round trips per step per trainer (a lookup and a push, a read and
            an allreduce), each the calibrated loopback round trip plus twice the one-way latency;
   link     the payload on the busiest hop at the link rate (none on loopback): the embedding
-           payload over the hosts sharing that hop, plus a trainer's share of its dense traffic.
+           payload over the hosts sharing that hop, plus a trainer's share of its dense traffic
+           unless the trainers share a host (`dense_on_link`: HET's GPU workers in one node).
 A job that overlaps communication with compute (HET's read-ahead, Persia's bounded pipeline, the
 asynchronous baselines) runs at the slower of cpu and communication (latency + link); one that
 does not (sync) pays their sum.
@@ -59,6 +60,7 @@ class Job:
     requests_per_step: float = 0.0  # round trips or collectives between processes per trainer step
     dense: str = "allreduce"  # allreduce | servers (fp32 copies through servers) | none
     dense_copies_per_step: float = 0.0  # servers: fp32 dense models moved per trainer step
+    dense_on_link: bool = True  # the dense traffic crosses the trainers' links (False: trainers share a host)
 
 
 @dataclass(frozen=True)
@@ -131,17 +133,18 @@ def traffic_of(cfg, trainers: int, ps: int | None, embedding_workers: int | None
 
 def job_of(config: str, overrides: list[str], dense_overrides: list[str], strategy: str, side: str, trainers: int,
            bytes_per_sample: float, busiest_share: int, ps: int | None = None, embedding_workers: int | None = None,
-           collectives: float | None = None) -> Job:
+           collectives: float | None = None, dense_on_link: bool = True) -> Job:
     """One side of a pair as the model sees it: `overrides` make the job's config, `dense_overrides`
     (a part of them) name its dense model's calibration; `ps` / `embedding_workers` its servers
-    (None: the config's), `collectives` the collectives per trainer step it counted."""
+    (None: the config's), `collectives` the collectives per trainer step it counted, `dense_on_link`
+    whether its dense traffic crosses the trainers' links (not when they share a host)."""
     from hybridrec.config import load_config
     from hybridrec.costs.calibrate import dense_key
 
     cfg = load_config(config, overrides)
     return Job(dense_key(config, dense_overrides), trainers, cfg.data.batch_size, keys_per_sample(cfg),
                float(bytes_per_sample or 0.0), busiest_share, OVERLAPS[(strategy, side)],
-               **traffic_of(cfg, trainers, ps, embedding_workers, collectives))
+               **traffic_of(cfg, trainers, ps, embedding_workers, collectives), dense_on_link=dense_on_link)
 
 
 def dense_bytes_per_sample(calibration: dict, job: Job) -> float:
@@ -174,8 +177,8 @@ def bounds(calibration: dict, job: Job, cluster: Cluster) -> dict:
         cores = cluster.cores * job.trainers
     round_trip = transport["round_trip_s"] + 2 * cluster.latency_s
     # the busiest hop carries the embedding payload shared by busiest_share hosts and, on a
-    # trainer's link, its share of the dense traffic
-    on_link = job.bytes_per_sample / job.busiest_share + dense_bytes / job.trainers
+    # trainer's link, its share of the dense traffic (none when the trainers share a host)
+    on_link = job.bytes_per_sample / job.busiest_share + (dense_bytes / job.trainers if job.dense_on_link else 0.0)
     link = cluster.rate_bits / 8 / on_link if cluster.rate_bits and on_link else float("inf")
     return {"cpu": cores / cpu_per_sample, "latency": job.trainers * job.batch_size / (ROUND_TRIPS * round_trip),
             "link": link}
@@ -187,6 +190,13 @@ def predict(calibration: dict, job: Job, cluster: Cluster) -> float:
     communication = 1 / b["latency"] + 1 / b["link"]
     seconds = max(1 / b["cpu"], communication) if job.overlaps else 1 / b["cpu"] + communication
     return 1 / seconds
+
+
+def other_work(run: dict) -> float:
+    """The cores other work took from a recorded run: while the job trained where that was
+    measured (`training_background_cores`), else over the job's whole life (`background_cores`)."""
+    measured = run.get("training_background_cores")
+    return measured if measured is not None else (run.get("background_cores") or 0.0)
 
 
 def load(path: str | Path) -> dict:
@@ -216,7 +226,7 @@ PAPERS = {
 def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | None) -> dict:
     """The cost model against every run of `hybridrec bench speedups` (its `runs`: setting ->
     strategy -> {"baseline": [...], "strategy": [...], "jobs": {side: Job fields}}; each run with
-    the `background_cores` other work took meanwhile): the median absolute relative error, each
+    the cores other work took meanwhile, `other_work`): the median absolute relative error, each
     run's prediction (`predicted`: "setting strategy side" -> one per run); and each paper's
     cluster projected with the loopback runs' traffic."""
     from hybridrec.picasso.switches import machine_cores
@@ -231,7 +241,7 @@ def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | N
                 job = Job(**result["jobs"][side])
                 guesses = predicted[f"{setting} {name} {side}"] = []
                 for run in result[side]:  # each with the cores other work left it
-                    cluster = replace(settings[setting], background_cores=run.get("background_cores") or 0.0)
+                    cluster = replace(settings[setting], background_cores=other_work(run))
                     guesses.append(predict(calibration, job, cluster))
                     if run["samples_per_s"]:
                         errors.append(abs(guesses[-1] - run["samples_per_s"]) / run["samples_per_s"])

@@ -87,6 +87,10 @@ class Figures:
     wire: dict = field(default_factory=lambda: dict.fromkeys(WIRE_COUNTS, 0))
     pipeline: dict = field(default_factory=dict)  # figures only some streams have (the pipelined local step's)
     started: float = 0.0  # when the current step began waiting for its batch
+    # wall-clock (epoch) seconds this trainer began waiting for its first batch and ended its last
+    # step: when the job trained, for whoever measures the machine meanwhile (bench speedups)
+    first_step_at: float | None = None
+    last_step_at: float | None = None
 
     def closed(self, stream: EmbeddingStream) -> None:
         """Add what an epoch's stream counted."""
@@ -439,7 +443,11 @@ class Trainer:
         the source moves past the batch and its scores (taken before the update) feed progressive
         validation."""
         run, batch = self.run, ready.batch
-        run.figures.seconds += time.perf_counter() - run.figures.started
+        now = time.perf_counter()
+        run.figures.seconds += now - run.figures.started
+        if run.figures.first_step_at is None:
+            run.figures.first_step_at = time.time() - (now - run.figures.started)
+        run.figures.last_step_at = time.time()
         run.figures.samples += batch.batch_size
         p = run.progress
         p.step, p.epoch, p.next_batch = step, epoch, ready.index + 1
@@ -489,13 +497,18 @@ class Trainer:
         trainer reads every row (`readers` is a world of one), a sample trained by all counts once."""
         run, figures, world = self.run, self.run.figures, self.run.world
         facts = world.gather({"samples": figures.samples, "seconds": figures.seconds,
+                              "window": [figures.first_step_at, figures.last_step_at],
                               "staleness": [max(figures.staleness, default=0), sum(figures.staleness),
                                             len(figures.staleness)], **figures.wire})
         total = sum(f["samples"] for f in facts) // (world.size // run.strategy.readers.size)
         slowest = max(f["seconds"] for f in facts)
         looked_up = sum(f["staleness"][2] for f in facts)
+        starts = [f["window"][0] for f in facts if f["window"][0] is not None]
+        ends = [f["window"][1] for f in facts if f["window"][1] is not None]
         return {"step": run.progress.step, "samples": run.progress.samples, "strategy": run.cfg.strategy.record(),
                 "trainers": world.size, "train_samples_per_s": total / slowest if slowest else None,
+                # wall-clock seconds since the epoch: the first trainer's first step to the last one's last
+                "training_window": [min(starts), max(ends)] if starts and ends else None,
                 "max_staleness": max(f["staleness"][0] for f in facts),
                 "mean_staleness": sum(f["staleness"][1] for f in facts) / looked_up if looked_up else 0.0,
                 "bytes_per_sample": (sum(f["bytes_sent"] + f["bytes_received"] for f in facts) / total

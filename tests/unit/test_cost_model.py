@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridrec.config import load_config
-from hybridrec.costs.model import Cluster, Job, bounds, predict, traffic_of
+from hybridrec.costs.model import Cluster, Job, bounds, other_work, predict, traffic_of
 
 CALIBRATION = {"machine": {"cores": 2}, "kernel": {"s_per_key": 40e-9},
                "transport": {"round_trip_s": 250e-6, "round_trip_cpu_s": 200e-6, "bytes_per_s": 800e6},
@@ -80,6 +80,8 @@ def test_a_jobs_processes_requests_and_dense_traffic_come_from_its_config_and_ro
 def test_a_recorded_runs_predictions_come_back_from_its_calibration():
     report = json.loads(RECORDED.read_text())["report"]
     projection = report["projection"]
+    if not projection:
+        pytest.skip("the recorded bench speedups result was taken without --calibration")
     clusters = {name: Cluster(**fields) for name, fields in projection["clusters"].items()}
     checked = 0
     for setting, by_strategy in report["runs"].items():
@@ -87,7 +89,7 @@ def test_a_recorded_runs_predictions_come_back_from_its_calibration():
             for side, fields in result["jobs"].items():
                 recorded = projection["predicted"][f"{setting} {name} {side}"]
                 for run, guess in zip(result[side], recorded):
-                    cluster = replace(clusters[setting], background_cores=run.get("background_cores") or 0.0)
+                    cluster = replace(clusters[setting], background_cores=other_work(run))
                     assert predict(projection["calibration"], Job(**fields), cluster) == pytest.approx(guess, rel=1e-12)
                     checked += 1
     assert checked >= 2
@@ -107,3 +109,31 @@ def test_a_jobs_own_cpu_is_the_jobs_and_not_other_works():
     with MachineUse(counts_job=False) as use:  # the job's processes are not our children (Ray's)
         pass
     assert use.figures()["background_cores"] is None
+
+
+def test_while_a_job_trains_its_live_processes_cpu_is_the_jobs_and_not_other_works():
+    import subprocess
+    import sys
+    import time
+
+    from hybridrec.costs.machine import MachineUse
+
+    # a child that burns 0.6 s of CPU and then waits, alive (not reaped), for its parent to let it end
+    burn = "import sys, time\nwhile time.process_time() < 0.6: pass\nprint('burnt', flush=True)\nsys.stdin.read()"
+    with MachineUse(sample_every=0.05) as use:
+        start = time.time()
+        child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline() == "burnt\n"
+            time.sleep(0.2)  # samples taken while it lives
+            end = time.time()
+        finally:
+            child.communicate("", timeout=60)
+    inside = [job for at, _, job in use.samples if start <= at <= end]
+    assert inside[-1] - inside[0] >= 0.3  # its CPU counted while it lived, before it was reaped
+    figures = use.figures((start, end))
+    assert figures["training_background_cores"] is not None and figures["training_background_cores"] >= 0.0
+    assert use.background_between(end + 3600, end + 7200) is None  # no samples: not measured
+    with MachineUse(counts_job=False, sample_every=0.05) as use:  # the job's processes are not our children
+        pass
+    assert use.samples == [] and use.figures((start, end))["training_background_cores"] is None

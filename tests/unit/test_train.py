@@ -4,6 +4,7 @@ checkpoint evaluates to the run's final AUC; several label columns train as seve
 malformed CSV rows are counted and skipped; misuse of output directories is refused."""
 import copy
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,10 @@ def records(out_dir) -> list[dict]:
 
 def test_a_small_synthetic_run_learns_and_leaves_metrics_and_a_checkpoint(tmp_path):
     cfg = small_config(tmp_path, **{"train.eval_every": 20})
+    before = time.time()
     result = train(cfg)
+    first, last = result["training_window"]  # when it trained, in wall-clock seconds
+    assert before <= first < last <= time.time()
     assert result["auc"] > 0.65, result
     assert result["auc"] <= result["best_auc"] + 0.01  # the planted model is the ceiling
     assert result["step"] == 40 and result["samples"] == 20_000  # ceil(20000 / 512) batches
