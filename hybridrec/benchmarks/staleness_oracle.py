@@ -84,7 +84,8 @@ def oracle_check(args, log) -> dict:
                     check = dict(zip(("label", "workers", "seed", "lr_scale", "dense_lr_scale", "samples_asked",
                                       "visibility", "evaluated_on"), key),
                                  distributed_auc=metrics["auc"], emulated_auc=replay["auc"], seeded_auc=seeded["auc"],
-                                 departures=schedule.departures, reads_beyond_bound=list(_reads_beyond(directory, bound)),
+                                 departures=schedule.departures, dense_plan=schedule.describe().get("dense_plan"),
+                                 reads_beyond_bound=list(_reads_beyond(directory, bound)),
                                  staleness_cross=metrics.get("staleness_cross"))
                     log.add(check)
                 beyond, lookups = check["reads_beyond_bound"]

@@ -7,6 +7,10 @@
   own), which applies each worker's gradient on its own, one by one, with the job's optimizer. A
   worker computes on the version the schedule lets it read, so every version the bound allows is
   kept until no read can ask for it.
+* `ReplayedDense` (a recorded async job): the dense parameters split as the job's PS shards held
+  them, one `DenseStore` per shard, each applying the pushes in the order that shard applied them
+  (hybridrec.lab.trace.DensePlan); a step computes on the versions its pull read, and its
+  gradient waits until each shard's turn to apply it comes.
 * `GroupCopies` (Hierarchical Training; EASGD is one worker per group): one dense copy per group,
   every member stepping it with an optimizer state of its own (Hogwild: a member's gradient is
   computed on the copy as it was at its read, and applied to the copy as it is at its write), and
@@ -23,6 +27,7 @@ import torch
 
 from hybridrec.hierarchical.elastic_averaging import CENTRE_OPTIMIZER, ElasticSync
 from hybridrec.metrics import StalenessHistogram
+from hybridrec.ps.client import dense_shard
 from hybridrec.ps.dense import DenseStore
 from hybridrec.strategy.dense import dense_optimizer
 
@@ -88,7 +93,24 @@ def _values(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
 
 
-class CentralDense:
+class _PushedOneByOne:
+    """What `CentralDense` and `ReplayedDense` share: every step's gradient is applied on its own,
+    `lags` holds per step the pushes applied that its read had missed, and the result is the
+    latest values (`current_model`)."""
+
+    lags: list[int]
+
+    def final_model(self) -> torch.nn.Module:
+        return self.current_model()  # each subclass's latest values
+
+    def facts(self) -> dict:
+        """The dense staleness of every step: pushes its gradient's version had missed."""
+        lags = StalenessHistogram()
+        lags.add(self.lags)
+        return {"dense_staleness": lags.as_dict()}
+
+
+class CentralDense(_PushedOneByOne):
     """Versions 0, 1, ...: version v holds the first v pushes; `push_iteration[v]` is the
     iteration of the worker step that made version v + 1."""
 
@@ -131,14 +153,74 @@ class CentralDense:
         assign(self.model, self.store.pull(self.names))
         return self.model
 
-    def final_model(self) -> torch.nn.Module:
-        return self.current_model()
 
-    def facts(self) -> dict:
-        """The dense staleness of every step: pushes its gradient's version had missed."""
-        lags = StalenessHistogram()
-        lags.add(self.lags)
-        return {"dense_staleness": lags.as_dict()}
+
+class ReplayedDense(_PushedOneByOne):
+    """`shards` stores: shard k holds the parameters a job's k-th PS shard held (hybridrec.ps's
+    dense_shard), `applied[k]` pushes applied; the versions a step may still read (`keep[k]`, all
+    when None) and the latest are kept; each step's gradient waits in `pending` until every shard
+    applied it."""
+
+    def __init__(self, model: torch.nn.Module, cfg, shards: int = 1, keep: list[set[int]] | None = None):
+        self.model = model
+        opt = cfg.train.dense_optimizer
+        declared, values = _declared(model), _values(model)
+        self.names = [[n for n in declared if dense_shard(n, shards) == k] for k in range(shards)]
+        self.stores = []
+        for names in self.names:
+            store = DenseStore({n: declared[n] for n in names})
+            if names:
+                store.init({n: values[n] for n in names}, {"name": opt.name, "lr": opt.lr,
+                                                           "weight_decay": opt.weight_decay})
+            self.stores.append(store)
+        self.holding = [k for k, names in enumerate(self.names) if names]  # the shards a push reaches
+        self.keep = keep
+        self.history = [{0: store.pull(names)} for store, names in zip(self.stores, self.names)]
+        self.applied = [0] * shards
+        # (worker, step) -> its gradient, the shards still to apply it, its lag so far
+        self.pending: dict[tuple[int, int], tuple[dict[str, np.ndarray], set[int], list[int]]] = {}
+        self.lags: list[int] = []
+        self.reads: dict[tuple[int, int], tuple[int, ...]] = {}  # (worker, step) -> the versions it read
+        self.pushed: list[list[tuple[int, int]]] = [[] for _ in range(shards)]  # per shard, in the order applied
+
+    def begin_step(self, key: tuple[int, int], versions) -> None:
+        """The model holds each shard's version `versions[k]` (applied already), gradients cleared."""
+        for k, version in enumerate(versions):
+            assign(self.model, self.history[k][version])
+        for p in self.model.parameters():
+            p.grad = None
+        self.reads[key] = tuple(int(v) for v in versions)
+
+    def finish_step(self, key: tuple[int, int]) -> None:
+        """The step's gradient, kept until every shard applied it."""
+        self.pending[key] = (gradients(self.model), set(self.holding), [0])
+
+    def computed(self, key: tuple[int, int]) -> bool:
+        return key in self.reads
+
+    def push(self, shard: int, key: tuple[int, int]) -> None:
+        """Shard `shard` applies the gradient of step `key` (its next push)."""
+        grads, waiting, lag = self.pending[key]
+        lag[0] = max(lag[0], self.applied[shard] - self.reads[key][shard])  # pushes applied that its read missed
+        names = self.names[shard]
+        self.stores[shard].push({n: grads[n] for n in names})
+        self.pushed[shard].append(key)
+        self.applied[shard] += 1
+        done = self.applied[shard]
+        history = self.history[shard]
+        history[done] = self.stores[shard].pull(names)
+        if self.keep is not None and done - 1 not in self.keep[shard]:
+            del history[done - 1]
+        waiting.discard(shard)
+        if not waiting:
+            del self.pending[key]
+            self.lags.append(lag[0])
+
+    def current_model(self) -> torch.nn.Module:
+        """The model with every shard's latest values."""
+        for store, names in zip(self.stores, self.names):
+            assign(self.model, store.pull(names))
+        return self.model
 
 
 class GroupCopies:

@@ -16,7 +16,8 @@ The three shapes of run:
   updates wait (`SharedEmbeddings`) or accumulate in the caches (`HetCaches`);
 * free-running (async, ssp): one worker step at a time (rounds in a random order for async,
   speeds for SSP), each computing on the dense version its bound lets it read and pushing its
-  gradient to the central copy;
+  gradient to the central copy; a recorded async job is replayed on its PS shards' own order of
+  pushes, each step on the versions its pull read (`ReplayedDense`);
 * groups (ht, easgd): rounds; within a group its members' reads and writes of the group's copy
   interleave (Hogwild), the copy syncs with the centre every `period` writes.
 """
@@ -34,7 +35,7 @@ from hybridrec.config import JobConfig, StrategyConfig
 from hybridrec.errors import UserError
 from hybridrec.job.sources import build_sources
 from hybridrec.job.tables import job_tables
-from hybridrec.lab.dense import AveragedDense, CentralDense, GroupCopies, gradients
+from hybridrec.lab.dense import AveragedDense, CentralDense, GroupCopies, ReplayedDense, gradients
 from hybridrec.lab.disciplines import Discipline
 from hybridrec.lab.embeddings import SharedEmbeddings
 from hybridrec.lab.het_caches import HetCaches
@@ -237,7 +238,7 @@ def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedu
     step at a time of a worker chosen by speed among those within the bound)."""
     events = schedule.timeline()
     if events is not None and not speeds:
-        _free_running_in_time(job, side, dense, schedule, events, bound, dense_bound, progress)
+        _free_running_in_time(job, side, dense, schedule, events, bound, progress)
         return
     workers = job.workers
     streams = [job.stream(w) for w in range(workers)]
@@ -264,19 +265,23 @@ def _free_running(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedu
             iteration[w] += 1
 
 
-def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: CentralDense, schedule, events: list,
-                          bound: int, dense_bound: int, progress: _Progress) -> None:
+def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: ReplayedDense, schedule, events: list,
+                          bound: int, progress: _Progress) -> None:
     """A recorded async job replayed in the order its events happened: each embedding read when
     the job's lookup was served (ahead of the worker's step, as far as the job's pipeline ran), each
-    step when its dense pull was sent (on the version holding the pushes acknowledged by then),
-    each embedding update when it landed (its step computed first). Steps the events leave
-    untrained run at the end, the workers in turn; departures as in `_lockstep_in_time`."""
+    step when its dense pull was made, on the versions of the dense shards that pull read (the
+    pushes they hold applied first, in each shard's order), each dense push when it was made (in
+    its shard's order: the pushes before it applied with it), each embedding update when it landed
+    (its step computed first). Steps the events leave untrained run at the end, the workers in
+    turn, on the latest versions; departures as in `_lockstep_in_time`."""
     workers = job.workers
+    plan = schedule.dense_plan()
     streams = [job.stream(w) for w in range(workers)]
     batches: list[dict] = [{} for _ in range(workers)]  # per worker, step -> batch, read from its stream ahead
     looked: dict = {}  # (worker, step) -> its read, until the step runs
     iteration = np.zeros(workers, np.int64)
     ended = [None] * workers  # per worker, its number of steps once its stream ran out
+    position = [{key: n for n, key in enumerate(order)} for order in plan.order] if plan else []
 
     def batch_of(w: int, c: int):
         while ended[w] is None and c not in batches[w] and len(batches[w]) + int(iteration[w]) <= c:
@@ -294,15 +299,38 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: CentralDense
         schedule.note_applied(schedule.seen(w, c, workers), side.applied)
         looked[w, c] = side.read(w, c, batches[w][c], expected=np.minimum(side.computed, c))
 
+    def land(shard: int, count: int) -> None:
+        """Shard `shard` applies its pushes, in the job's order, until it holds `count`."""
+        while dense.applied[shard] < count:
+            key = plan.order[shard][dense.applied[shard]]
+            run_through(*key)
+            if not dense.computed(key):
+                raise UserError(f"{schedule.describe()['source']}: the job's dense push of worker {key[0]} step "
+                                f"{key[1]} has no such step in this config's data; replay a job with its own config")
+            dense.push(shard, key)
+
+    def take(w: int, c: int, batch, read_rows) -> None:
+        recorded = plan.reads.get((w, c)) if plan else None
+        counts = recorded if recorded is not None else [len(order) for order in (plan.order if plan else [])]
+        for shard, count in enumerate(counts):  # a step the job did not record: after every recorded push
+            land(shard, count)
+        dense.begin_step((w, c), recorded or list(dense.applied))
+        inputs = job.step(side, dense.model, c, batch, read_rows)
+        dense.finish_step((w, c))
+        if recorded is None:  # a step the job did not record: its push lands at once
+            for shard in dense.holding:
+                dense.push(shard, (w, c))
+        side.after_backward(w, c, read_rows, inputs)
+        progress.trained(batch.batch_size)
+
     def run_through(w: int, last: int | None) -> None:
         while (last is None or iteration[w] <= last) and batch_of(w, int(iteration[w])) is not None:
             c = int(iteration[w])
             if (w, c) not in looked:
                 read(w, c)
-            oldest = min(int(iteration[a]) + (a == w) for a in range(workers) if ended[a] is None or iteration[a] < ended[a])
-            _free_step(job, side, dense, schedule, w, c, batches[w].pop(c), looked.pop((w, c)), dense_bound,
-                       oldest, progress)
-            iteration[w] += 1
+            batch = batches[w].pop(c)
+            iteration[w] += 1  # taken: a push its pull waits for may run this worker's earlier steps only
+            take(w, c, batch, looked.pop((w, c)))
 
     for kind, w, index in events:
         if kind == "read":
@@ -310,10 +338,16 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: CentralDense
                 read(w, index)
         elif kind == "step":
             run_through(w, index)
+        elif kind == "push":
+            for shard, order in enumerate(position):
+                if (w, index) in order:
+                    land(shard, order[w, index] + 1)
         else:
             run_through(w, index)
             if side.applied[w] == index < side.computed[w]:
                 side.apply(w)
+    for shard, order in enumerate(plan.order if plan else []):
+        land(shard, len(order))
     while any(batch_of(w, int(iteration[w])) is not None for w in range(workers)):
         for w in range(workers):
             run_through(w, int(iteration[w]))
@@ -373,6 +407,12 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
         dense = AveragedDense(job.model, job.cfg)
         progress = _Progress(job, curve_every, curve_batches, lambda: dense.model)
         _lockstep(job, side, dense, schedule, discipline.bound, progress)
+    elif name == "async" and schedule.timeline() is not None:
+        plan = schedule.dense_plan()
+        dense = ReplayedDense(job.model, job.cfg, plan.shards if plan else 1,
+                              [set(v[k] for v in plan.reads.values()) for k in range(plan.shards)] if plan else None)
+        progress = _Progress(job, curve_every, curve_batches, dense.current_model)
+        _free_running(job, side, dense, schedule, discipline.bound, discipline.tau_dense, False, progress)
     elif name in ("async", "ssp"):
         dense = CentralDense(job.model, job.cfg)
         progress = _Progress(job, curve_every, curve_batches, dense.current_model)

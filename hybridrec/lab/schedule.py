@@ -20,8 +20,8 @@ The emulator asks the schedule, in a fixed order, for:
   reads and writes of the group's dense copy, each member's write after its own read.
 
 `RecordedSchedule` (hybridrec.lab.trace) answers `visible` and `order` from a real job's recorded
-staleness instead, and gives a lockstep replay the job's reads and updates in time order
-(`timeline`).
+staleness instead, and gives a replay the job's reads and updates in time order (`timeline`) and
+an async job's dense pushes in the order its PS shards applied them (`dense_plan`).
 """
 from __future__ import annotations
 
@@ -66,6 +66,11 @@ class Schedule:
     def timeline(self) -> list[tuple[str, int, int]] | None:
         """A recorded job's reads and updates in the order they happened (`RecordedSchedule`);
         None: a seeded schedule answers the questions above one by one."""
+        return None
+
+    def dense_plan(self):
+        """A recorded async job's dense pushes and pulls (`hybridrec.lab.trace.DensePlan`); None:
+        `dense_version` decides."""
         return None
 
     def note_applied(self, targets: np.ndarray, applied: np.ndarray) -> None:

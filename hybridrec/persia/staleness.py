@@ -10,7 +10,10 @@ was sent (an update acknowledged after that may still have been applied in time:
 the most the lookup can have missed, and the pipeline's own bound applies to r' = r). The job's
 `staleness_cross` in final_metrics.json is the histogram of each lookup's largest such count, and
 the leader writes every time to `staleness_trace.npz` in the output directory, from which the
-staleness lab replays the job (hybridrec.lab.trace).
+staleness lab replays the job (hybridrec.lab.trace). ps_async's dense pulls and pushes are
+recorded the same way in `dense_trace.npz`, with the PS shards' version numbers each pull read
+and each push made: the order in which every shard applied the pushes, and which of them each
+step computed on, as the servers saw them rather than as the clock suggests.
 """
 from __future__ import annotations
 
@@ -22,23 +25,32 @@ import numpy as np
 from hybridrec.metrics import StalenessHistogram
 
 TRACE_FILE = "staleness_trace.npz"  # the embedding lookups' times
-DENSE_TRACE_FILE = "dense_trace.npz"  # ps_async: the dense pulls' and pushes' times
+DENSE_TRACE_FILE = "dense_trace.npz"  # ps_async: the dense pulls' and pushes' times and versions
+TRACE_KINDS = ("lookups", "updates", "lookup_versions", "update_versions")  # a trace's arrays per trainer
 
 
 class Timeline:
-    """One trainer's lookups and updates: (sent, answered) wall-clock seconds, in step order."""
+    """One trainer's lookups and updates: (sent, answered) wall-clock seconds, in step order; and
+    where the server numbers its state (ps_async's dense pulls and pushes), per lookup and update
+    the version per shard it answered (`lookup_versions`, `update_versions`)."""
 
     def __init__(self) -> None:
         self.lookups: list[tuple[float, float]] = []
         self.updates: list[tuple[float, float]] = []
+        self.lookup_versions: list[list[int]] = []
+        self.update_versions: list[list[int]] = []
 
     @staticmethod
     def now() -> float:
         return time.time()
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"lookups": np.array(self.lookups, np.float64).reshape(-1, 2),
-                "updates": np.array(self.updates, np.float64).reshape(-1, 2)}
+        out = {"lookups": np.array(self.lookups, np.float64).reshape(-1, 2),
+               "updates": np.array(self.updates, np.float64).reshape(-1, 2)}
+        if self.lookup_versions or self.update_versions:
+            out["lookup_versions"] = np.array(self.lookup_versions, np.int64).reshape(len(self.lookup_versions), -1)
+            out["update_versions"] = np.array(self.update_versions, np.int64).reshape(len(self.update_versions), -1)
+        return out
 
 
 def joined(timelines: list[Timeline]) -> dict[str, np.ndarray]:
@@ -47,9 +59,12 @@ def joined(timelines: list[Timeline]) -> dict[str, np.ndarray]:
     skipped, because another trainer had none, was not trained and is no step."""
     parts = [t.arrays() for t in timelines]
     for part in parts:
-        part["lookups"] = part["lookups"][:len(part["updates"])]
-    return {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in ("lookups",
-                                                                                                      "updates")}
+        for lookups in ("lookups", "lookup_versions"):
+            if lookups in part:
+                part[lookups] = part[lookups][:len(part["updates"])]
+    names = [name for name in TRACE_KINDS if parts and all(name in p for p in parts)]
+    return {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in
+            names or ("lookups", "updates")}
 
 
 def missed_steps(trainers: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
@@ -89,6 +104,6 @@ class StalenessTelemetry:
             histogram.add(missed.max(axis=1) if missed.size else np.zeros(len(missed), np.int64))
         if world.leader:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            arrays = {f"{kind}_{rank}": t[kind] for rank, t in enumerate(every) for kind in ("lookups", "updates")}
+            arrays = {f"{kind}_{rank}": t[kind] for rank, t in enumerate(every) for kind in TRACE_KINDS if kind in t}
             np.savez(self.output_dir / self.trace_file, trainers=np.array(len(every)), **arrays)
         return {self.name: histogram.as_dict()}

@@ -452,17 +452,20 @@ class PSClient:
 
     # ------------------------------------------------------------------ dense parameters
     def _dense(self, op: str, names: Iterable[str], arrays: Mapping[str, np.ndarray], meta: dict[str, Any],
-               idempotent: bool) -> dict[str, np.ndarray]:
-        """One `op` request per shard holding some of `names`; the arrays the shards answer."""
+               idempotent: bool) -> tuple[dict[str, np.ndarray], list[int]]:
+        """One `op` request per shard holding some of `names`; the arrays the shards answer, and
+        per shard the store version its reply names (-1: not asked, or no version answered)."""
         by_shard: dict[int, list[str]] = {}
         for name in names:
             by_shard.setdefault(dense_shard(name, len(self.addresses)), []).append(name)
         requests = [(self._clients[s], op, {n: arrays[n] for n in group if n in arrays},
                      {**meta, "names": group}) for s, group in by_shard.items()]
         answered: dict[str, np.ndarray] = {}
-        for reply in request_all(requests, idempotent=idempotent):
+        versions = [-1] * len(self.addresses)
+        for s, reply in zip(by_shard, request_all(requests, idempotent=idempotent)):
             answered.update(reply.arrays)
-        return answered
+            versions[s] = int(reply.meta.get("version", -1))
+        return answered, versions
 
     def _dense_values(self, names: list[str], answered: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [n for n in names if n not in answered]
@@ -475,19 +478,27 @@ class PSClient:
         `optimizer` {"name": adam|adagrad|sgd, "lr", "weight_decay"}; returns the current values."""
         params = check_tensors(params, "params")
         check_optimizer(optimizer)
-        answered = self._dense("dense_init", params, params, {"optimizer": dict(optimizer)}, idempotent=True)
+        answered, _ = self._dense("dense_init", params, params, {"optimizer": dict(optimizer)}, idempotent=True)
         return self._dense_values(list(params), answered)
 
     def dense_pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """{name: current float32 value} of the dense params `names`."""
+        return self.dense_pull_versions(names)[0]
+
+    def dense_pull_versions(self, names: Sequence[str]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """`dense_pull(names)`, and per shard how many pushes the values it sent hold (-1: a
+        shard holding none of `names`): which pushes a step computed on, in each shard's order."""
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"names must be a list of dense param names, got {names!r}")
-        return self._dense_values(list(names), self._dense("dense_pull", names, {}, {}, idempotent=True))
+        answered, versions = self._dense("dense_pull", names, {}, {}, idempotent=True)
+        return self._dense_values(list(names), answered), versions
 
-    def dense_push(self, grads: dict[str, np.ndarray]) -> None:
-        """One optimizer step on each named param with its float32 gradient (not retried)."""
+    def dense_push(self, grads: dict[str, np.ndarray]) -> list[int]:
+        """One optimizer step on each named param with its float32 gradient (not retried); per
+        shard, the version the push made (its place in that shard's order of pushes; -1: a shard
+        holding none of the params)."""
         grads = check_tensors(grads, "grads")
-        self._dense("dense_push", grads, grads, {}, idempotent=False)
+        return self._dense("dense_push", grads, grads, {}, idempotent=False)[1]
 
     def ping(self) -> list[dict[str, Any]]:
         return [reply.meta for reply in self._broadcast("ping")]

@@ -135,9 +135,13 @@ class DenseStore:
 
     def pull(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Copies of the current values of `names` (each once, however often it is named)."""
+        return self.snapshot(names)[0]
+
+    def snapshot(self, names: Iterable[str]) -> tuple[dict[str, np.ndarray], int]:
+        """`pull(names)` and the number of pushes those values hold, read together."""
         names = list(dict.fromkeys(names))
         with self._lock:
-            return self._values(names)
+            return self._values(names), self.version
 
     def push(self, grads: Mapping[str, np.ndarray]) -> int:
         """One optimizer step on each named tensor; returns the number of pushes applied so far.

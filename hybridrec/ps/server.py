@@ -18,7 +18,7 @@ Operations (see `hybridrec.comm.transport` for the wire format):
               -> meta {dropped: total}; every table is checked before any is changed
   dense_init  {name: float32 array}, meta {optimizer: {name, lr, weight_decay}}
               -> the current value of each name (the first value given for a name wins)
-  dense_pull  meta {names}                                     -> {name: current value}
+  dense_pull  meta {names}                        -> {name: current value}, meta {version}
   dense_push  {name: float32 grad}: one optimizer step each     -> meta {version}
   stats       -> meta {pid, tables: {name: store.stats()}, dense: {params, version}}
   checkpoint  meta {directory, token, wait}: each table saved to directory/<table>, dense params
@@ -378,7 +378,8 @@ class EmbeddingServer(Service):
         names = request.meta.get("names")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"meta 'names' must be a list of dense param names, got {names!r}")
-        return Message("dense_pull", self.dense.pull(names))
+        values, version = self.dense.snapshot(names)
+        return Message("dense_pull", values, meta={"version": version})
 
     def _dense_push(self, request: Message) -> Message:
         return Message("dense_push", meta={"version": self.dense.push(request.arrays)})

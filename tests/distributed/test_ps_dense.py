@@ -68,22 +68,24 @@ def test_dense_push_equals_a_torch_optimizer_step(two_shards, optimizer):
     torch_optimizer = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[
         optimizer["name"]](reference.values(), lr=optimizer["lr"], weight_decay=optimizer["weight_decay"])
     rng = np.random.default_rng(3)
+    lone = dense_shard("mlp.0.weight", 2)  # pushed alone once: the other shard sees one push fewer
     with PSClient(two_shards) as client:
         client.dense_init(params, optimizer)
         for step in range(5):
             names = list(params) if step != 2 else ["mlp.0.weight"]  # a push may name some params
             grads = {name: rng.standard_normal(params[name].shape).astype(np.float32) for name in names}
-            client.dense_push(grads)
+            made = client.dense_push(grads)  # per shard, the push's place in its order (-1: not asked)
+            assert made == [step + 1 if shard == lone else (-1 if step == 2 else step + (step < 2))
+                            for shard in range(2)]
             for name, param in reference.items():
                 param.grad = torch.tensor(grads[name]) if name in grads else None
             torch_optimizer.step()
-        pulled = client.dense_pull(list(params))
+        pulled, read = client.dense_pull_versions(list(params))
         for name, param in reference.items():
             np.testing.assert_allclose(pulled[name], param.detach().numpy(), rtol=0, atol=1e-6)
             assert not np.array_equal(pulled[name], params[name])
         versions = [shard["dense"]["version"] for shard in client.stats()]
-    lone = dense_shard("mlp.0.weight", 2)  # pushed alone once: the other shard saw one push fewer
-    assert versions == [5 if shard == lone else 4 for shard in range(2)]
+    assert versions == read == [5 if shard == lone else 4 for shard in range(2)]
 
 
 def test_bad_dense_pushes_apply_nothing(two_shards):

@@ -1,7 +1,7 @@
 """A real job records the staleness of its lookups: final_metrics.json's histogram of the steps of
 every trainer each lookup may have missed (and ps_async's of its dense pulls), and the traces the
 staleness lab replays: the replay reads exactly the job's lookups, its dense copies as the job's
-pulls found them."""
+pulls found them (the PS shards' versions), with the pushes applied in each shard's order."""
 import json
 
 from helpers import finish, start_launch, write_config
@@ -26,9 +26,14 @@ def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
     assert metrics["dense_staleness_cross"]["count"] == lookups
     assert (run / TRACE_FILE).is_file() and (run / DENSE_TRACE_FILE).is_file()
     schedule = RecordedSchedule.from_job(run)
+    plan = schedule.dense_plan()  # the PS shards numbered every push once, in the order they applied them
+    assert (plan.source, plan.shards) == ("versions", 2) and sum(map(len, plan.order)) == 2 * lookups
     cfg = load_config(config, ["data.synthetic.train_rows=16384"])
-    replay = emulate(cfg, parse("async:tau=1000000,tau_dense=1000000"), 2, schedule).result
+    replayed = emulate(cfg, parse("async:tau=1000000,tau_dense=1000000"), 2, schedule)
+    replay = replayed.result
     assert schedule.reads == lookups and replay["samples"] == metrics["samples"]
+    # every step computed on what its pull read, every shard applied the pushes in its own order
+    assert replayed.dense.pushed == plan.order and replayed.dense.reads == plan.reads
     assert 0.5 < replay["auc"] < 1
 
 

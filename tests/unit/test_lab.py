@@ -197,3 +197,50 @@ def test_a_replay_makes_each_read_when_the_job_made_it_even_ahead_of_another_tra
         assert applied == [int(np.searchsorted(trace[q]["updates"].mean(axis=1), when)) for q in range(2)], (worker,
                                                                                                            step)
     assert schedule.departures == 0
+
+
+def _dense_trace(rounds: int, versions: bool) -> list[dict]:
+    """Two trainers' dense pulls and pushes (midpoints): trainer 1's step t pulls at 10t + 2 and
+    pushes at 10t + 4, trainer 0's pulls at 10t + 1 and pushes at 10t + 13, after trainer 1's pull of
+    step t + 1 (which holds trainer 1's step t, not trainer 0's). Shard 0 applies the pushes as they
+    land; shard 1 applies trainer 1's step t before trainer 0's step t - 1 (they land 1 s apart, no
+    pull between them). `versions`: the shards' numbers recorded, as a job records them."""
+    pulls = {(0, t): 10 * t + 1 for t in range(rounds)} | {(1, t): 10 * t + 2 for t in range(rounds)}
+    pushes = {(0, t): 10 * t + 13 for t in range(rounds)} | {(1, t): 10 * t + 4 for t in range(rounds)}
+    shard0 = sorted(pushes, key=pushes.get)
+    shard1 = sorted(pushes, key=lambda key: pushes[key] - 1.5 * (key[0] == 1))
+    assert shard0 != shard1 and shard0 != sorted(pulls, key=pulls.get)
+    orders = (shard0, shard1)
+    trace = []
+    for q in range(2):
+        entry = {"lookups": np.array([(pulls[q, t] - .1, pulls[q, t] + .1) for t in range(rounds)]),
+                 "updates": np.array([(pushes[q, t] - .4, pushes[q, t] + .4) for t in range(rounds)])}
+        if versions:
+            entry["update_versions"] = np.array([[o.index((q, t)) + 1 for o in orders] for t in range(rounds)])
+            entry["lookup_versions"] = np.array([[sum(pushes[key] < pulls[q, t] for key in o) for o in orders]
+                                                 for t in range(rounds)])
+        trace.append(entry)
+    return trace
+
+
+@pytest.mark.parametrize("versions", [True, False])
+def test_an_async_replay_applies_the_dense_pushes_in_each_shards_order_and_reads_what_each_pull_read(tmp_path,
+                                                                                                 versions):
+    """The dense copy a replayed step computes on holds exactly the pushes its pull read: each shard's
+    store applies the job's pushes in that shard's order (not in the order the steps were taken),
+    and each step reads every shard at the version its pull read."""
+    from hybridrec.lab.trace import RecordedSchedule
+
+    dense = _dense_trace(16, versions)
+    schedule = RecordedSchedule(_ahead_trace(16), dense)
+    plan = schedule.dense_plan()
+    run = emulate(small_config(tmp_path, **FOUR), parse(f"async:tau={1 << 30},tau_dense={1 << 30}"), 2, schedule)
+    assert (plan.source, plan.shards) == (("versions", 2) if versions else ("times", 1))
+    assert run.dense.pushed == plan.order and run.dense.reads == plan.reads and len(plan.reads) == 32
+    # trainer 1's pull of step 5 holds its own step 4, not trainer 0's step 4 (pulled before it)
+    held = [set(order[:count]) for order, count in zip(plan.order, plan.reads[1, 5])]
+    assert all((1, 4) in h and (0, 4) not in h and (0, 3) in h for h in held)
+    assert run.result["schedule"]["dense_plan"] == plan.source
+    # trainer 0's step t missed trainer 1's step t and its own t - 1, and on shard 1 trainer 1's t + 1
+    assert run.result["dense_staleness"]["max"] == (3 if versions else 2)
+    assert run.result["dense_staleness"]["count"] == 32

@@ -72,3 +72,22 @@ def test_lookups_of_batches_never_trained_are_left_out_and_epochs_stay_aligned()
     assert len(joined_steps["updates"]) == 4
     other = _timeline([1, 11, 31, 41], [6, 16, 36, 46]).arrays()
     assert max(m.max() for m in missed_steps([joined_steps, other])) == 0
+
+
+def test_the_shards_versions_are_written_with_the_times_and_cut_as_the_lookups(tmp_path):
+    """ps_async's timelines carry the PS shards' versions per pull and push; the trace keeps them
+    step for step with the times (a skipped batch's pull left out), and the lab reads them back."""
+    from hybridrec.lab.trace import load_trace
+
+    first, second = _timeline([0, 10, 20], [5, 15]), _timeline([30], [35])  # 20: looked up, skipped
+    first.lookup_versions, first.update_versions = [[0, -1], [1, -1], [2, -1]], [[1, -1], [2, -1]]
+    second.lookup_versions, second.update_versions = [[2, -1]], [[3, -1]]
+    telemetry = StalenessTelemetry(tmp_path, trace_file="dense.npz")
+    telemetry.add(first)
+    telemetry.add(second)
+    telemetry.facts(World())
+    trace = load_trace(tmp_path / "dense.npz")[0]
+    assert trace["lookup_versions"].tolist() == [[0, -1], [1, -1], [2, -1]]
+    assert trace["update_versions"][:, 0].tolist() == [1, 2, 3] and len(trace["lookups"]) == 3
+    plan = RecordedSchedule([{"lookups": trace["lookups"], "updates": trace["updates"]}], [trace]).dense_plan()
+    assert plan.source == "versions" and plan.order[0] == [(0, 0), (0, 1), (0, 2)] and plan.order[1] == []

@@ -1,8 +1,9 @@
 """Asynchronous dense sync through the PS (the baseline Persia beats): the dense parameters
 live on the PS servers; each step pulls their current values and pushes its own gradients,
 which the PS applies with the dense optimizer as they arrive. No AllReduce and no barrier
-between trainers, so they do not run in lockstep. The times of the pulls and pushes are recorded
-(`dense_staleness_cross` in final_metrics.json, dense_trace.npz for the staleness lab)."""
+between trainers, so they do not run in lockstep. The times of the pulls and pushes are recorded, with
+the PS shards' versions each pull read and each push made (`dense_staleness_cross` in
+final_metrics.json, dense_trace.npz for the staleness lab)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,8 +35,9 @@ class ParameterServerDense(DenseSync):
 
     def begin_step(self) -> None:
         sent = Timeline.now()
-        values = self.ps.dense_pull(list(self.params))
+        values, versions = self.ps.dense_pull_versions(list(self.params))
         self.timeline.lookups.append((sent, Timeline.now()))
+        self.timeline.lookup_versions.append(versions)
         self._assign(values)
         for p in self.params.values():
             p.grad = None
@@ -44,8 +46,9 @@ class ParameterServerDense(DenseSync):
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().numpy()
                  for name, p in self.params.items()}
         sent = Timeline.now()
-        self.ps.dense_push(grads)
+        versions = self.ps.dense_push(grads)
         self.timeline.updates.append((sent, Timeline.now()))
+        self.timeline.update_versions.append(versions)
 
     def facts(self, world) -> dict:
         """The steps of every trainer each step's pulled copy may have missed (persia.staleness)."""
