@@ -4,12 +4,14 @@ staleness lab replays: the replay reads exactly the job's lookups, its dense cop
 pulls found them (the PS shards' versions), with the pushes applied in each shard's order."""
 import json
 
+import torch
 from helpers import finish, start_launch, write_config
 
 from hybridrec.config import load_config
 from hybridrec.lab import emulate, parse
 from hybridrec.lab.trace import RecordedSchedule
 from hybridrec.persia.staleness import DENSE_TRACE_FILE, TRACE_FILE
+from hybridrec.train.checkpoint import latest_checkpoint, model_state, read_dense
 
 
 def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
@@ -25,6 +27,10 @@ def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
     assert metrics["staleness_cross"]["max"] <= metrics["samples"]
     assert metrics["dense_staleness_cross"]["count"] == lookups
     assert (run / TRACE_FILE).is_file() and (run / DENSE_TRACE_FILE).is_file()
+    # the model the trainers scored and the leader saved is the PS's final one, every push applied
+    checkpoint = latest_checkpoint(run)
+    saved, final = read_dense(checkpoint)["model"], model_state(checkpoint)
+    assert all(torch.equal(saved[name], final[name]) for name in final)
     schedule = RecordedSchedule.from_job(run)
     plan = schedule.dense_plan()  # the PS shards numbered every push once, in the order they applied them
     assert (plan.source, plan.shards) == ("versions", 2) and sum(map(len, plan.order)) == 2 * lookups

@@ -18,6 +18,7 @@ class ParameterServerDense(DenseSync):
 
     def __init__(self, model: torch.nn.Module, cfg, world, services):
         self.model = self.module = model
+        self.world = world
         self.ps = ps = services.ps_endpoints("dense ps_async").client()  # of its own, for the training thread
         self.params = dict(model.named_parameters())
         self.timeline = Timeline()  # when each pull and push was sent and answered
@@ -49,6 +50,14 @@ class ParameterServerDense(DenseSync):
         versions = self.ps.dense_push(grads)
         self.timeline.updates.append((sent, Timeline.now()))
         self.timeline.update_versions.append(versions)
+
+    def finish_training(self) -> None:
+        """The model becomes the PS's final values, once every trainer's last push is applied: a
+        trainer's own copy is what its last pull read (without its last push, nor the pushes of
+        trainers that ran on), and the trainers' copies differ, while every trainer scores its
+        share of the test rows and the leader saves its copy."""
+        self.world.barrier()
+        self._assign(self.ps.dense_pull(list(self.params)))
 
     def facts(self, world) -> dict:
         """The steps of every trainer each step's pulled copy may have missed (persia.staleness)."""
