@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--reevaluate", {"metavar": "RESULT", "action": "append",
                               "help": "run no job: predict the runs of a recorded result (a docs/results/speedups*.json "
                                       "file or this bench's --json line) with --calibration; repeatable (each "
-                                      "setting's runs from the last file that has them)"}),
+                                      "strategy's runs of a setting from the last file that has them)"}),
             ("--timeout", {"type": float, "default": 900.0, "help": "seconds per job (default 900)"}),
             ("--keep", {"metavar": "DIR", "help": "keep the jobs' output directories under DIR"}),
             ("--verbose", {"action": "store_true", "help": "show the launcher's output of every job"}),
@@ -346,15 +346,17 @@ def reevaluate(parser, args) -> dict:
         recorded = recorded_report(parser, path)
         settings = recorded.get("settings") or {}
         overrides = [o for o in settings.get("set", SIZE) if o not in SIZE]
+        found = recorded["runs"].get("link_bound") or {}
+        recorded_rate = (recorded.get("link_bound") or {}).get("rate")
+        if found and rate is not None and recorded_rate != rate:
+            parser.error(f"--reevaluate {path}: its link-bound runs are at {recorded_rate}, those before at {rate}; "
+                         "allowed: results of one rate")
+        rate = recorded_rate if found else rate
         for setting in runs:
-            found = recorded["runs"].get(setting) or {}
-            if found:
-                runs[setting] = {name: {**result, "jobs": model_jobs(name, result, settings.get("trainers", 2),
-                                                                     overrides, result.get("jobs"))}
-                                 for name, result in found.items()}
-                sources[setting] = path
-                if setting == "link_bound":
-                    rate = (recorded.get("link_bound") or {}).get("rate")
+            for name, result in (recorded["runs"].get(setting) or {}).items():
+                runs[setting][name] = {**result, "jobs": model_jobs(name, result, settings.get("trainers", 2),
+                                                                    overrides, result.get("jobs"))}
+                sources[f"{setting} {name}"] = path
     projection = validate_and_project(args.calibration, runs, parse_rate(rate) if rate else None)
     result = report(runs["loopback"], runs["link_bound"], rate, projection)
     result["settings"] = {"reevaluated": sources, "calibration": args.calibration}

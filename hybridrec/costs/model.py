@@ -25,8 +25,10 @@ Per sample, three bounds (each a samples/s ceiling of the whole job):
   latency  ROUND_TRIPS request round trips per step per trainer (a lookup and a push, a read and
            an allreduce), each the calibrated loopback round trip plus twice the one-way latency;
   link     the payload on the busiest hop at the link rate (none on loopback): the embedding
-           payload over the hosts sharing that hop, plus a trainer's share of its dense traffic
-           unless the trainers share a host (`dense_on_link`: HET's GPU workers in one node).
+           payload over the hosts sharing that hop, twice through an embedding worker's (it relays
+           each request: in from the trainers, out to the servers, in turn; `crossings`), plus a
+           trainer's share of its dense traffic unless the trainers share a host (`dense_on_link`:
+           HET's GPU workers in one node).
 A job that overlaps communication with compute (HET's read-ahead, Persia's bounded pipeline, the
 asynchronous baselines) runs at the slower of cpu and communication (latency + link); one that
 does not (sync) pays their sum.
@@ -61,6 +63,7 @@ class Job:
     dense: str = "allreduce"  # allreduce | servers (fp32 copies through servers) | none
     dense_copies_per_step: float = 0.0  # servers: fp32 dense models moved per trainer step
     dense_on_link: bool = True  # the dense traffic crosses the trainers' links (False: trainers share a host)
+    crossings: float = 1.0  # times the payload crosses the busiest hop in turn (2: an embedding worker relays it)
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,10 @@ def traffic_of(cfg, trainers: int, ps: int | None, embedding_workers: int | None
     copies = 2.0 if dense == "ps_async" else 2.0 * groups / trainers / strategy.ht.period if groups else 0.0
     requests += copies + (2.0 if group_ps else 0.0) + (1.0 if dense == "allreduce" else 0.0)
     mode = "allreduce" if dense == "allreduce" else "servers" if copies else "none"
+    # an embedding worker relays each request: the payload comes in from the trainers and goes out
+    # to the servers (the rows back the other way), one after the other on its link
     return {"processes": trainers + ps + workers + group_ps, "requests_per_step": requests, "dense": mode,
-            "dense_copies_per_step": copies}
+            "dense_copies_per_step": copies, "crossings": 2.0 if workers else 1.0}
 
 
 def job_of(config: str, overrides: list[str], dense_overrides: list[str], strategy: str, side: str, trainers: int,
@@ -178,7 +183,8 @@ def bounds(calibration: dict, job: Job, cluster: Cluster) -> dict:
     round_trip = transport["round_trip_s"] + 2 * cluster.latency_s
     # the busiest hop carries the embedding payload shared by busiest_share hosts and, on a
     # trainer's link, its share of the dense traffic (none when the trainers share a host)
-    on_link = job.bytes_per_sample / job.busiest_share + (dense_bytes / job.trainers if job.dense_on_link else 0.0)
+    on_link = (job.crossings * job.bytes_per_sample / job.busiest_share
+               + (dense_bytes / job.trainers if job.dense_on_link else 0.0))
     link = cluster.rate_bits / 8 / on_link if cluster.rate_bits and on_link else float("inf")
     return {"cpu": cores / cpu_per_sample, "latency": job.trainers * job.batch_size / (ROUND_TRIPS * round_trip),
             "link": link}

@@ -41,16 +41,15 @@ def test_the_model_keeps_the_dense_traffic_of_trainers_on_one_host_off_the_link(
     assert bounds(calibration, apart, link)["link"] == pytest.approx(5e6 / 8 / (700 + 400_000 / 128 / 2))
 
 
-def _recorded_with_projection() -> list[Path]:
-    return [path for path in sorted(RESULTS.glob("speedups*.json"))
-            if json.loads(path.read_text()).get("report", {}).get("projection")]
+# the re-evaluation of the recorded runs by the model as it is (`--reevaluate ... --record=model`)
+MODEL = RESULTS / "speedups-model.json"
 
 
-@pytest.mark.skipif(not _recorded_with_projection(), reason="no recorded bench speedups result with a projection")
+@pytest.mark.skipif(not MODEL.is_file(), reason="no recorded re-evaluation of bench speedups' runs")
 def test_a_recorded_results_runs_are_predicted_again_from_its_calibration_without_a_job(tmp_path, monkeypatch,
                                                                                        capsys):
     monkeypatch.setattr("hybridrec.parallel.launch.launch", lambda *a, **k: pytest.fail("a job ran"))
-    path = _recorded_with_projection()[0]
+    path = MODEL
     projection = json.loads(path.read_text())["report"]["projection"]
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps(projection["calibration"]))

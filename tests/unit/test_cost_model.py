@@ -25,6 +25,8 @@ def test_a_slow_link_bounds_the_job_and_overlap_hides_what_it_can():
     assert slow < loopback
     link_bound = 10e6 / 8 / 1500  # samples/s the one busiest link carries
     assert slow < link_bound < loopback
+    relayed = bounds(CALIBRATION, replace(JOB, crossings=2.0), Cluster(10e6, 2, True))["link"]
+    assert relayed == pytest.approx(bounds(CALIBRATION, JOB, Cluster(10e6, 2, True))["link"] / 2, rel=0.05)
     overlapped = predict(CALIBRATION, replace(JOB, overlaps=True), Cluster(10e6, 2, True))
     assert slow < overlapped <= link_bound
     # fewer bytes per sample pay only where the link binds
@@ -58,11 +60,12 @@ def test_on_shared_cores_every_process_and_request_counts_and_other_work_takes_i
 
 def test_a_jobs_processes_requests_and_dense_traffic_come_from_its_config_and_roles():
     persia = load_config("configs/persia_synthetic.yaml", ["strategy.consistency=sync", "strategy.dense=allreduce"])
-    # a lookup and a push to the embedding worker, each asking both PS servers; one allreduce
+    # a lookup and a push to the embedding worker, each asking both PS servers; one allreduce; the
+    # worker's link carries the payload in from the trainers and out to the servers
     assert traffic_of(persia, 2, 2, 1, None) == {"processes": 5, "requests_per_step": 7.0, "dense": "allreduce",
-                                                 "dense_copies_per_step": 0.0}
+                                                 "dense_copies_per_step": 0.0, "crossings": 2.0}
     direct = traffic_of(persia, 2, 2, 0, None)
-    assert direct["processes"] == 4 and direct["requests_per_step"] == 5.0
+    assert direct["processes"] == 4 and direct["requests_per_step"] == 5.0 and direct["crossings"] == 1.0
     ps_async = traffic_of(load_config("configs/persia_synthetic.yaml", ["strategy.dense=ps_async"]), 2, 2, 1, None)
     assert ps_async["dense"] == "servers" and ps_async["dense_copies_per_step"] == 2.0
     easgd, groups = (traffic_of(load_config("configs/persia_synthetic.yaml",
