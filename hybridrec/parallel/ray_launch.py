@@ -7,7 +7,10 @@ actor (`ray_roles.py`) instead of a child process:
   affinity, not soft), each
   on a port picked on that node, with `max_restarts = role_restarts`. Ray restarts one that
   dies on the same node, where it binds the same port and a PS reattaches to its tables in
-  named shared memory, so it comes back with every update it acknowledged.
+  named shared memory, so it comes back with every update it acknowledged. With
+  `strategy.ps_replicas: 2` a PS that cannot come back (no restart left, or its node lost: a
+  restart not placed within the start-up bound) is failed over instead: its buckets' backups
+  serve them, a new PS actor takes its place where one can start, and the job goes on.
 * The trainers are one torch.distributed group of actors: rank 0's node address and a port
   free there become MASTER_ADDR / MASTER_PORT, each actor calls the trainer entry point
   (`hybridrec.parallel.trainer.main`, which joins the group with gloo, or NCCL on GPUs, and
@@ -65,6 +68,7 @@ class _Service:
     ask_at: float = 0.0       # restarting: when to ask again whether it is back
     deaths: int = 0
     pid: int | None = None    # its process, once it serves (a new one after a restart)
+    died_at: float = 0.0      # restarting: when it died
     retired: bool = False     # stopped for good by `hybridrec scale` (its death is no failure)
 
 
@@ -424,8 +428,8 @@ class RayLauncher:
 
     def _service_answered(self, service: _Service) -> int | None:
         """A service's outstanding call ended. Serving: its watch ended, so it died; Ray restarts it
-        (then ask its pid until it is back) or it is dead for good, which fails the job."""
-        from ray.exceptions import ActorDiedError
+        (then ask its pid until it is back) or it is dead for good (`_dead_for_good`)."""
+        from ray.exceptions import ActorDiedError, ActorUnschedulableError
 
         if service.retired:
             return None
@@ -433,10 +437,9 @@ class RayLauncher:
             pid, error = self.ray.get(service.call), None
         except Exception as exc:
             pid, error = None, exc
-        if isinstance(error, ActorDiedError):
-            self.reason = (f"{service.name} died and Ray does not restart it (after {service.deaths} "
-                           f"restart(s) of {self.role_restarts}): {_cause(error)}")
-            return FAILED
+        if isinstance(error, (ActorDiedError, ActorUnschedulableError)):  # no restart left, or its node is gone
+            return self._dead_for_good(service, f"Ray does not restart it (after {service.deaths} restart(s) of "
+                                                f"{self.role_restarts}): {_cause(error)}")
         if service.restarting and error is None:
             service.restarting, service.pid = False, pid
             self.log(f"{service.name} is back (pid {pid})")
@@ -446,11 +449,24 @@ class RayLauncher:
         else:
             service.deaths += 1
             if service.deaths > self.role_restarts:
-                self.reason = f"{service.name} died more often than its {self.role_restarts} restart(s)"
-                return FAILED
+                return self._dead_for_good(service, f"it died more often than its {self.role_restarts} restart(s)")
             self.log(f"{service.name} died; Ray restarts it on its node ({service.deaths} of {self.role_restarts})")
-            service.restarting, service.call = True, service.actor.pid.remote()
+            service.restarting, service.call, service.died_at = True, service.actor.pid.remote(), time.monotonic()
         return None
+
+    def _dead_for_good(self, service: _Service, why: str) -> int | None:
+        """Service `service` will not serve again. A PS server of a replicated job is failed over
+        (its buckets' backups take them, a new PS takes its place: `ScaleControl.lose`) and the job
+        goes on; any other role fails the job."""
+        if (server_role(service.name) is PS and self.control is not None and self.control.replicas >= 2
+                and len([s for s in self.services if server_role(s.name) is PS]) > 1):
+            self.services.remove(service)
+            self._kill(service.actor)  # (dead already, or a restart still waiting for its node)
+            self.log(f"{service.name} is lost for good ({why}); its buckets fail over to their backups")
+            self.control.lose(service.name)
+            return None
+        self.reason = f"{service.name} died and will not serve again: {why}"
+        return FAILED
 
     def _kill(self, actor) -> None:
         try:
@@ -475,7 +491,12 @@ class RayLauncher:
         finished: set = set()
         while True:
             for service in list(self.services):
-                if service.call is None and time.monotonic() >= service.ask_at:
+                if service.restarting and time.monotonic() > service.died_at + self.startup_timeout:
+                    # a restart Ray cannot place (its node is lost) waits for ever
+                    code = self._dead_for_good(service, f"Ray did not bring it back within {self.startup_timeout:g}s")
+                    if code is not None:
+                        return code
+                elif service.call is None and time.monotonic() >= service.ask_at:
                     service.call = service.actor.pid.remote()
             calls = {s.call: s for s in list(self.services) if s.call is not None}
             pending = [r for r in runs if r not in finished]

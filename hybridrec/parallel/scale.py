@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 from dataclasses import replace
 import threading
 import time
@@ -109,6 +110,7 @@ class ScaleControl:
         self._started = threading.Event()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._gone: queue.SimpleQueue[str] = queue.SimpleQueue()  # servers their launcher cannot bring back
         self._made_dir = False
         self.transport = Server({"scale": Operation(self._scale), "status": Operation(self._status)},
                                 host="127.0.0.1", port=0, threads=2, key=self.key)
@@ -151,7 +153,8 @@ class ScaleControl:
 
     def _watch(self) -> None:
         """Install the first table once every server answers (with replication: at once, the
-        servers wait for it), then fail over when a server's process is replaced."""
+        servers wait for it), then fail over when a server's process is replaced (it died and came
+        back) or its launcher reports it lost for good (`lose`)."""
         while not self._stop.is_set():
             try:
                 if self.replicas >= 2 or self.coordinator.newest() is not None:
@@ -163,16 +166,44 @@ class ScaleControl:
         seen = self._pids()
         while not self._stop.wait(0.1):
             now = self._pids()
-            lost = [name for name, pid in seen.items() if now.get(name, pid) != pid]
-            for name in lost:
-                if self.replicas >= 2 and not self._stop.is_set():
-                    try:
-                        with self._lock:
-                            self.coordinator.fail_over(self.addresses[name])
-                        self._rejoin(name)
-                    except Exception as error:  # the job goes on; its log says why the backups were not rebuilt
-                        self.servers.log(f"failover of {name} failed: {error!r}")
+            for name in [name for name, pid in seen.items() if now.get(name, pid) != pid]:
+                self._fail_over(name, self._rejoin)
+            while not self._gone.empty():
+                self._fail_over(self._gone.get(), self._replace)
             seen = {**seen, **now}
+
+    def lose(self, name: str) -> None:
+        """PS server `name` is gone for good (its launcher cannot start it again, e.g. its node is
+        lost): with replication its buckets fail over to their backups and a new server takes its
+        place where one can start (the watcher does both, in the background)."""
+        self._gone.put(name)
+
+    def _fail_over(self, name: str, then) -> None:
+        """The backups of lost server `name` take over its buckets; then `then(name)` (the lost
+        server comes back, or another replaces it)."""
+        if self.replicas < 2 or self._stop.is_set():
+            return
+        try:
+            with self._lock:
+                self.coordinator.fail_over(self.addresses[name])
+            then(name)
+        except Exception as error:  # the job goes on; its log says why the backups were not rebuilt
+            self.servers.log(f"failover of {name} failed: {error!r}")
+
+    def _replace(self, name: str) -> None:
+        """A new PS server in the place of `name`, lost for good; buckets move to it (with two
+        servers left this gives the buckets backups again). When none can start, the job goes on
+        with the servers it has."""
+        self.addresses.pop(name, None)
+        try:
+            with self._lock:
+                address = self._add_server()
+                self.coordinator.scale_to([*self.coordinator.table.addresses, address])
+        except (RuntimeError, TimeoutError, OSError) as error:
+            self.servers.log(f"no PS server replaces {name} ({error}); the job goes on with "
+                             f"{len(self.coordinator.table.addresses)}")
+            return
+        self.servers.log(f"{next(n for n, a in self.addresses.items() if a == address)} replaces {name}")
 
     def _rejoin(self, name: str) -> None:
         """Once the supervisor's replacement of lost server `name` answers, buckets move back to it."""

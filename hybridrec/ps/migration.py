@@ -291,5 +291,7 @@ class Coordinator:
             self._move_all(promoted.changed(promoted.version + 1, backups=backups_for(owners, staying, self.replicas)))
             final = compact(self.table)
             self._install(final, final.addresses, assume=False)
-            self.log(f"failover done: every bucket has a backup again (routing version {final.version})")
+            backed = ("every bucket has a backup again" if (final.backups >= 0).all()
+                      else "no other server is left to back its buckets")
+            self.log(f"failover done: {backed} (routing version {final.version})")
             return final

@@ -1,7 +1,8 @@
 """`hybridrec launch --ray`: a tiny Persia job (1 PS, 1 embedding worker, 2 trainers) on a local Ray
 instance of 2 CPUs that this module starts: it converges and leaves no actor or shared memory
-behind; and a PS actor killed mid-run comes back on its shared memory with every update it had
-applied, and the job still takes every step."""
+behind; a PS actor killed mid-run comes back on its shared memory with every update it had
+applied, and the job still takes every step; with replicas, one that cannot come back is failed
+over and replaced."""
 
 import json
 import os
@@ -160,11 +161,38 @@ def test_hybridrec_scale_starts_and_retires_ps_actors_while_the_job_trains(tmp_p
         assert status["scale_events"] == 2 and status["buckets_moved"] == 4096, status
     finally:
         code = interrupt(process, log)
-    text = log.read_text()
-    assert code == 130, text[-3000:]
-    assert "[launch] ps1 serves at " in text and "scale: 1 -> 2 PS servers" in text
-    assert not job_actors(job_id(log)) and not (run / "control.json").exists()
+    check_interrupted(code, log, run, "[launch] ps1 serves at ", "scale: 1 -> 2 PS servers")
 
+
+
+def test_a_ps_actor_that_cannot_come_back_is_failed_over_and_replaced_while_the_job_trains(tmp_path, ray_address):
+    """ps_replicas 2 on 2 PS actors: ps1 is killed with its restart refused (as when its node is lost
+    for good); its buckets fail over to their backups on ps0, a new PS actor takes its place, and
+    the job trains on. Made longer than the test needs, the job is interrupted once it trained on."""
+    config, log, run = write_config(tmp_path, epochs=1000), tmp_path / "launch.log", tmp_path / "run"
+    job = yaml.safe_load(config.read_text())
+    job["strategy"]["roles"]["ps_servers"], job["strategy"]["ps_replicas"] = 2, 2
+    config.write_text(yaml.safe_dump(job))
+    process = start_job(config, ray_address, log)
+    try:
+        wait_for(lambda: trained_steps(run) >= 2 and (run / "control.json").is_file(), JOB_SECONDS, "2 steps", log)
+        ray.kill(ray.get_actor(f"hybridrec-{job_id(log)}-ps1", namespace=NAMESPACE), no_restart=True)
+        wait_for(lambda: "ps2 replaces ps1" in log.read_text(), JOB_SECONDS, "a PS actor in place of ps1", log)
+        steps = trained_steps(run)
+        wait_for(lambda: trained_steps(run) >= steps + 4, JOB_SECONDS, "training after the loss", log)
+        status = elastic_status(run)
+        assert status["failovers"] == 1 and len(status["servers"]) == 2, status
+    finally:
+        code = interrupt(process, log)
+    check_interrupted(code, log, run, "ps1 is lost for good", "[launch] ps2 serves at ")
+
+
+def check_interrupted(code: int, log: Path, run: Path, *lines: str) -> None:
+    """A job interrupted by its test ended as it should: exit 130, `lines` in its log, no actor and
+    no control file left."""
+    text = log.read_text()
+    assert code == 130 and all(line in text for line in lines), text[-3000:]
+    assert not job_actors(job_id(log)) and not (run / "control.json").exists()
 
 def _answer(ask, *args):
     """ask(*args), or None while the server does not answer."""
