@@ -27,6 +27,7 @@ from hybridrec.axes import server_roles
 from hybridrec.config import ConfigError, JobConfig, load_config
 from hybridrec.parallel.host import (dial_host, free_ports, merged_environment, new_job_id, ps_shm_name,
                                     role_environment)
+from hybridrec.parallel.scale import replicas_reason
 from hybridrec.parallel.supervisor import Role
 from hybridrec.picasso.switches import MACHINE_TRAINERS_ENV
 
@@ -83,6 +84,9 @@ def check_config(config: str, overrides: Sequence[str] = ()) -> JobConfig:
             f"{config}: strategy.placement is 'local'; `hybridrec launch` runs distributed jobs (PS servers, "
             f"embedding workers, trainers). Add `--set strategy.preset=persia`, set `strategy: {{preset: persia}}` "
             f"in the config, or run `hybridrec train {config}` for one process")
+    reason = replicas_reason(cfg)
+    if reason is not None:
+        raise ConfigError(f"{config}: {reason}")
     return cfg
 
 

@@ -50,15 +50,34 @@ MAX_PS = 64
 FIXED_COUNT = {"consistency": ("het", "ssp"), "dense": ("ps_async", "easgd", "groups")}
 
 
-def fixed_reason(cfg) -> str | None:
-    """Why a job's PS servers cannot be scaled, None when they can."""
+def server_indexed_state(cfg) -> tuple[str, str] | None:
+    """The strategy axis and value whose PS state is kept by server index (HET's or SSP's clocks,
+    dense parameters on the PS), None when the PS servers hold embedding buckets alone."""
     for axis, values in FIXED_COUNT.items():
         value = str(getattr(cfg.strategy, axis))
         if value in values:
-            return (f"strategy.{axis} {value} keeps state by PS server index (clocks or dense parameters), "
-                    f"so its PS count is fixed; scaling takes jobs with consistency sync or bounded and dense "
-                    f"allreduce")
+            return axis, value
     return None
+
+
+def fixed_reason(cfg) -> str | None:
+    """Why a job's PS servers cannot be scaled, None when they can."""
+    state = server_indexed_state(cfg)
+    if state is None:
+        return None
+    return (f"strategy.{state[0]} {state[1]} keeps state by PS server index (clocks or dense parameters), "
+            f"so its PS count is fixed; scaling takes jobs with consistency sync or bounded and dense allreduce")
+
+
+def replicas_reason(cfg) -> str | None:
+    """Why a job cannot have `strategy.ps_replicas` 2, None when it can: replication copies the
+    embedding buckets (pushes through `push_many`), not the state a strategy keeps by server index."""
+    state = server_indexed_state(cfg)
+    if cfg.strategy.ps_replicas < 2 or state is None:
+        return None
+    return (f"strategy.ps_replicas is {cfg.strategy.ps_replicas}, but strategy.{state[0]} {state[1]} keeps state "
+            f"on the PS servers by server index (clocks or dense parameters), which replication does not copy (a "
+            f"failover would lose it); use ps_replicas 1 with it, or consistency sync or bounded with dense allreduce")
 
 
 class SupervisedServers:

@@ -333,6 +333,16 @@ def test_launch_refuses_a_local_strategy_config_naming_the_placement(tmp_path, c
     assert "strategy.placement is 'local'" in err and "--set strategy.preset=persia" in err
 
 
+def test_launch_refuses_replicas_for_a_strategy_whose_server_state_they_would_not_copy(tmp_path, capsys):
+    """HET's clocks live on the PS servers by index, outside the replicated buckets: a failover
+    would lose them, so `ps_replicas: 2` is refused before anything starts."""
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  preset: het\n  ps_replicas: 2\n")
+    assert main(["launch", str(config), "--ps", "2", "--trainers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy.ps_replicas is 2, but strategy.consistency het keeps state" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ps", "0", "--embedding-workers", "1", "--nn-workers", "1"], "--ps must be at least 1, got 0"),
     (["--ps", "1", "--embedding-workers", "1", "--nn-workers", "1", "--timeout", "-1"], "--timeout must be positive"),
