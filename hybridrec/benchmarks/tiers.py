@@ -9,7 +9,8 @@ issue 35's eviction target), and with `--read-ahead` `tiered_ahead`: the tiered 
 batch's cold records are faulted in on a second thread (`EmbeddingStore.read_ahead`, what a
 trainer's data loader does when it has the next batch ready) once each batch's pull returns. The processes take turns, `--segment` batches each, so that the
 machine's load affects them alike; a ratio is the median over the segments of the time the
-in-memory store took for a segment over the time the other took for the same one. Then the tiered store's every key is pulled once more (read-only) and
+in-memory store took for a segment over the time the other took for the same one. Once every
+segment is done, one process at a time (so that none overlaps a timed segment), the tiered store's every key is pulled once more (read-only) and
 its rows, optimizer state, counts and clocks are compared with the in-memory store's:
 `lost_rows` counts the keys that differ or are missing (both tiered stores' with `--read-ahead`).
 
@@ -122,6 +123,7 @@ def run_child(spec: dict, commands, replies) -> dict:
         print(took, file=replies, flush=True)
     if ahead is not None:
         ahead.close()
+    commands.readline()  # (end of input) every system's segments are done: the export below runs alone
     peak = _status("VmHWM")
     stats = store.stats()
     out = {"samples_per_s": len(batches) * spec["batch_size"] / elapsed, "rss_bytes": peak - base,
@@ -170,7 +172,7 @@ def _run_together(specs: dict[str, dict]) -> tuple[dict[str, dict], dict[str, li
                     raise RuntimeError(f"bench tiers: the {system} process ended early (exit code {child.wait()})")
                 seconds[system].append(float(line))
         results = {}
-        for system, child in children.items():
+        for system, child in children.items():  # one at a time: each exports and checks its rows alone
             child.stdin.close()
             out = child.stdout.read()  # through the same reader as the segments' lines: it may hold the rest
             if child.wait(1800) != 0:
@@ -225,6 +227,7 @@ def run(args) -> dict:
         "lost_rows": lost,
         "distinct_keys": distinct, "memory_rows": memory_rows, "batches": args.batches,
         "batch_size": args.batch_size, "segments": len(seconds["tiered"]),
+        "segment_seconds": seconds,
     }
     if args.read_ahead:
         ahead = results["tiered_ahead"]

@@ -19,7 +19,7 @@ from numba import njit, prange
 from . import kernels as K
 from .tier_kernels import no_tier
 from .cache_hints import prefetch_cell
-from .table_arrays import index_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
+from .table_arrays import index_of, lru_log_of, meta64_of, meta_of, parts_of, rows_of, scalars_of, sketch_of
 
 # samples ahead whose gradient line the backward scatter prefetches: far enough ahead that the
 # strided lines arrive in time
@@ -54,7 +54,8 @@ def probe_segment(tables, t, keys, unhashed, order, lo, hi, icfg, fcfg, seeds, m
     scalars[K.SC_DIRTY] = 1
     n, err = K._lookup_partition(0, keys, unhashed, order, lo, hi, rows_of(tables, t), meta_of(tables, t), meta64,
                                  index_of(tables, t), parts_of(tables, t), sketch_of(tables, t), icfg[t], fcfg[t],
-                                 seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo, no_tier())
+                                 seeds[t], scalars[K.SC_EPOCH], mode, out_rows, inverse, uniq_rows, lo, no_tier(),
+                                 lru_log_of(tables, t))
     scalars[K.SC_DIRTY] = 0
     if err != 0:
         return err

@@ -3,7 +3,7 @@ fused optimizer updates. No Python runs per ID; `store.py` only validates and ca
 
 Memory layout (Persia §4.2.2): `rows` is one contiguous float32 array [capacity, width], each row
 [embedding (dim) | optimizer state]; `meta` is an int32 array [capacity, 8] beside it, one 32-byte
-record per row: key (uint64, 2 slots) | lru prev | lru next | access count | clock | stamp | slot.
+record per row: key (uint64, 2 slots) | LRU ring place | spare | access count | clock | stamp | slot.
 `r32` is that int32 array and `r64` its uint64 view (the key is column meta//2 of r64). `stamp`
 and `slot` say when a row was last used for training: the lookup call (epoch) and its place among
 that call's unique rows. `index` is an int32 open-addressing (linear probing) table, -1 = empty,
@@ -12,14 +12,23 @@ with backward-shift deletion (no tombstones). An entry is a row number in its lo
 probe reads a row's key only when the tag matches, so passing over another key's entry costs no
 random metadata read, and the row prefetches aim at the entry whose tag matches, not just the home
 slot. The store is split into partitions (one per thread, Persia's per-thread subsets): partition
-p owns a range of rows, a range of index slots, and its own LRU list; its bookkeeping is the int64
+p owns a range of rows, a range of index slots, and its own LRU order; its bookkeeping is the int64
 row parts[p].
 
-The LRU list is kept only once a partition has been full. Until then nothing is evicted, so
-nobody reads the list, and keeping it in order would cost every lookup two random accesses
-(unlinking a touched row reads and writes the metadata of its two neighbours). When the partition
-first needs a victim, `link_lru_from_stamps` builds the list from the rows' (stamp, slot), which is
-exactly the order the kept list would have, and from then on every use relinks.
+The LRU order is a ring of row numbers in order of use (`lru_log`, log-structured): a use appends
+the row's number at the end and records the place in the row's metadata (M_LOG_AT), which makes
+any older entry of that row stale; the victims are the live entries at the front, taken in one
+sequential walk that passes over stale entries (their row records another place) and rows the
+call itself uses. A hit thus writes one entry at the ring's end and its own metadata, where a
+linked list would read and write the metadata of its two neighbours (two random accesses). A
+partition's ring has one and a half entries per row and one more; when a call's appends would
+fill it, the live entries are packed to its front first (`_log_room`, about once every half
+row-count uses).
+
+The order is kept only once a partition has been full. Until then nothing is evicted, so nobody
+reads it. When the partition first needs a victim, `link_lru_from_stamps` builds the ring from
+the rows' (stamp, slot), which is exactly the order a kept one would have, and from then on every
+use appends.
 """
 import numpy as np
 from numba import njit, prange
@@ -33,13 +42,13 @@ from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 from .tier_kernels import TP_HITS, TP_LOOKUPS, has_tier, maybe_on_disk, tier_find, tier_put, tier_take
 
 # metadata columns, relative to the meta offset (int32 view)
-M_PREV, M_NEXT, M_COUNT, M_CLOCK, M_STAMP, M_SLOT = 2, 3, 4, 5, 6, 7
+M_LOG_AT, M_SPARE, M_COUNT, M_CLOCK, M_STAMP, M_SLOT = 2, 3, 4, 5, 6, 7  # M_LOG_AT: place in the LRU ring
 META_WIDTH = 8
 
 # parts[p, *]
-PT_ROW_START, PT_ROW_COUNT, PT_SLOT_START, PT_SLOT_COUNT, PT_SIZE, PT_HEAD, PT_TAIL = 0, 1, 2, 3, 4, 5, 6
+PT_ROW_START, PT_ROW_COUNT, PT_SLOT_START, PT_SLOT_COUNT, PT_SIZE, PT_LOG_END, PT_LOG_START = 0, 1, 2, 3, 4, 5, 6
 PT_EVICTED, PT_REJECTED, PT_RNG, PT_INSERTED = 7, 8, 9, 10
-PT_LRU_KEPT = 11  # 1 once partition p's LRU list is kept up to date (it has been full), else 0
+PT_LRU_KEPT = 11  # 1 once partition p's LRU ring is kept up to date (it has been full), else 0
 PARTS_WIDTH = 12
 
 # icfg[*]: integer configuration read by kernels
@@ -64,7 +73,6 @@ _COUNT_CEILING = 1 << 30
 _LFU_SAMPLES = 8
 PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
-PREFETCH_LINKS = 4  # keys ahead whose LRU neighbours' metadata is prefetched
 FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
 EVICT_AHEAD = 8  # victims ahead whose row lines, metadata and index slot an eviction requests
 DISP_BITS = 4  # bits of an index entry holding its distance from its home slot (see _entry)
@@ -119,57 +127,81 @@ def offsets_problem(offsets, n_values):
     return -1
 
 
-# ---------------------------------------------------------------- LRU list (array indices)
+# ---------------------------------------------------------------- LRU ring (log-structured)
 # Helpers that take arrays and branch or loop are ordinary calls, not `inline="always"`: numba
 # inlines by binding each array argument to a new variable, and the reference counts it takes for
 # them (atomic increments and decrements) survive its pruning once the body has control flow.
 # Inlined, each of the LRU relink, the admission roll and the row initialisation would take 2-4
 # atomic increments and as many decrements per key; a call costs less.
 
-@njit(cache=True, nogil=True)
-def _lru_unlink(r32, meta, parts, p, r):
-    prv = r32[r, meta + M_PREV]
-    nxt = r32[r, meta + M_NEXT]
-    if prv >= 0:
-        r32[prv, meta + M_NEXT] = nxt
-    else:
-        parts[p, PT_HEAD] = nxt
-    if nxt >= 0:
-        r32[nxt, meta + M_PREV] = prv
-    else:
-        parts[p, PT_TAIL] = prv
+@njit(cache=True)
+def ring_slots(rows):
+    """Entries of the LRU ring of a partition of `rows` rows: one and a half per row, and one
+    more (the live entries and a call's appends then always leave one free: a full ring would
+    look empty)."""
+    return rows + rows // 2 + 1
+
+
+def log_slots(row_counts) -> int:
+    """Entries of a store's `lru_log`: the rings of partitions of `row_counts` rows, in order."""
+    return int(sum(ring_slots(int(n)) for n in row_counts))
 
 
 @njit(cache=True, nogil=True)
-def _lru_relink_moved(r32, meta, parts, p, r):
-    """Row r took over a list member's place (its links copied): its neighbours, or the list's
-    head and tail, point at r from now on."""
-    for link, back, end in ((M_PREV, M_NEXT, PT_HEAD), (M_NEXT, M_PREV, PT_TAIL)):
-        neighbour = r32[r, meta + link]
-        if neighbour >= 0:
-            r32[neighbour, meta + back] = r
-        else:
-            parts[p, end] = r
+def log_span(parts, p):
+    """(first entry, entries) of partition p's ring in `lru_log`."""
+    base = 0
+    for q in range(p):
+        base += ring_slots(parts[q, PT_ROW_COUNT])
+    return base, ring_slots(parts[p, PT_ROW_COUNT])
 
 
 @njit(cache=True, nogil=True)
-def _lru_push_head(r32, meta, parts, p, r):
-    head = parts[p, PT_HEAD]
-    r32[r, meta + M_PREV] = -1
-    r32[r, meta + M_NEXT] = head
-    if head >= 0:
-        r32[head, meta + M_PREV] = r
-    else:
-        parts[p, PT_TAIL] = r
-    parts[p, PT_HEAD] = r
+def _log_append(lru_log, base, ring, r32, meta, parts, p, r):
+    """Row r is used now: its number goes at the end of partition p's ring (entries
+    lru_log[base:base + ring]), and its metadata records where: an older entry of r is stale
+    from now on."""
+    end = parts[p, PT_LOG_END]
+    lru_log[base + end] = r
+    r32[r, meta + M_LOG_AT] = end
+    end += 1
+    parts[p, PT_LOG_END] = 0 if end == ring else end
 
 
 @njit(cache=True, nogil=True)
-def link_lru_from_stamps(r32, meta, parts, p, leave_out=-1):
-    """(Re)build partition p's LRU list from its live rows' last training use, least recent at
-    the tail: by stamp (lookup call), then by slot (first-seen order within that call), the order
-    in which a kept list would have been relinked. Rows stamped `leave_out` (the lookup call
-    building it, which links its own rows afterwards) stay out. Marks the list as kept."""
+def _log_room(lru_log, base, ring, r32, meta, parts, p, m, epoch):
+    """Make room in partition p's ring for the m rows of lookup call `epoch` about to be
+    appended: when they would fill it, the live entries are packed to its front first, leaving
+    out those of the call's rows (each is appended again right after). At most a partition's
+    rows are live, so that leaves at least ring - rows entries for the next calls."""
+    used = parts[p, PT_LOG_END] - parts[p, PT_LOG_START]
+    if used < 0:
+        used += ring
+    if used + m < ring:
+        return
+    i = parts[p, PT_LOG_START]
+    end = parts[p, PT_LOG_END]
+    keep = np.empty(parts[p, PT_ROW_COUNT], np.int32)
+    n = 0
+    while i != end:
+        r = lru_log[base + i]
+        if r32[r, meta + M_LOG_AT] == i and r32[r, meta + M_STAMP] != epoch:
+            keep[n] = r
+            n += 1
+        i = i + 1 if i + 1 < ring else 0
+    for j in range(n):
+        lru_log[base + j] = keep[j]
+        r32[keep[j], meta + M_LOG_AT] = j
+    parts[p, PT_LOG_START] = 0
+    parts[p, PT_LOG_END] = n
+
+
+@njit(cache=True, nogil=True)
+def link_lru_from_stamps(lru_log, r32, meta, parts, p, leave_out=-1):
+    """(Re)build partition p's LRU ring from its live rows' last training use, least recent at
+    the front: by stamp (lookup call), then by slot (first-seen order within that call), the
+    order in which a kept ring would have had them appended. Rows stamped `leave_out` (the lookup
+    call building it, which appends its own rows afterwards) stay out. Marks the ring as kept."""
     start = parts[p, PT_ROW_START]
     size = parts[p, PT_SIZE]
     last_use = np.empty(size, np.int64)
@@ -186,10 +218,13 @@ def link_lru_from_stamps(r32, meta, parts, p, leave_out=-1):
             rows_of[n] = start + i
             n += 1
     order = np.argsort(last_use[:n], kind="mergesort")
-    parts[p, PT_HEAD] = -1
-    parts[p, PT_TAIL] = -1
+    for i in range(start, start + size):
+        r32[i, meta + M_LOG_AT] = -1
+    parts[p, PT_LOG_END] = 0
+    parts[p, PT_LOG_START] = 0
+    base, ring = log_span(parts, p)
     for i in range(n):
-        _lru_push_head(r32, meta, parts, p, rows_of[order[i]])
+        _log_append(lru_log, base, ring, r32, meta, parts, p, rows_of[order[i]])
     parts[p, PT_LRU_KEPT] = 1
 
 
@@ -366,28 +401,38 @@ def _admit(key, seed, draw, icfg, fcfg, sketch):
 
 
 @njit(cache=True, nogil=True)
-def _lru_victims(r32, r64, index, parts, p, meta, s0, ns, m, victims, vhash):
-    """Cut the m least recently used rows off partition p's LRU list into victims[:m], oldest
-    first, with their keys' hashes in vhash; returns False, leaving the list whole, when it holds
-    fewer. The walk is a chain of dependent loads, so each step also requests the index slot that
-    deleting its victim will read, to be there when the eviction loop gets to it."""
+def _lru_victims(lru_log, r32, r64, index, parts, p, meta, s0, ns, m, victims, vhash, epoch):
+    """The m least recently used rows of partition p, oldest first, into victims[:m] with their
+    keys' hashes in vhash, taken off the front of its ring (stale entries and rows this call
+    uses are passed over); False when it holds fewer."""
     kcol = meta // 2
-    t = parts[p, PT_TAIL]
+    base, ring = log_span(parts, p)
+    i = parts[p, PT_LOG_START]
+    end = parts[p, PT_LOG_END]
+    ahead = i
+    for _ in range(EVICT_AHEAD):
+        if ahead == end:
+            break
+        prefetch_row(r32, lru_log[base + ahead])
+        ahead = ahead + 1 if ahead + 1 < ring else 0
     k = 0
-    while k < m and t >= 0:
-        h = index_hash(r64[t, kcol])
+    while k < m:
+        if i == end:
+            return False
+        if ahead != end:
+            prefetch_row(r32, lru_log[base + ahead])
+            ahead = ahead + 1 if ahead + 1 < ring else 0
+        r = lru_log[base + i]
+        live = r32[r, meta + M_LOG_AT] == i
+        i = i + 1 if i + 1 < ring else 0
+        if not live or r32[r, meta + M_STAMP] == epoch:  # (a row of this call is appended again at its end)
+            continue
+        h = index_hash(r64[r, kcol])
         prefetch_row(index, s0 + scale32(h, ns))
-        victims[k] = t
+        victims[k] = r
         vhash[k] = h
         k += 1
-        t = r32[t, meta + M_PREV]
-    if k < m:
-        return False
-    parts[p, PT_TAIL] = t
-    if t >= 0:
-        r32[t, meta + M_NEXT] = -1
-    else:
-        parts[p, PT_HEAD] = -1
+    parts[p, PT_LOG_START] = i
     return True
 
 
@@ -467,11 +512,11 @@ def _mark_use(r32, meta, parts, p, r, mode, tiered, times, epoch, slot):
 
 @njit(cache=True, nogil=True)
 def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg, fcfg,
-               seed, epoch, mode, uniq_rows, tier):
+               seed, epoch, mode, uniq_rows, tier, lru_log):
     """Give the distinct keys pend[:npend] of a full partition the rows of as many evicted ones,
-    after every key of the call was probed (the rows the call uses are out of reach by then);
-    returns an error code. Under LRU the victims are cut off the list's tail at once (the walk
-    requests their index slots), then evicted in order, each requesting what the eviction
+    after every key of the call was probed (the rows the call uses carry its stamp by then, and
+    are passed over); returns an error code. Under LRU the victims are taken off the ring's front
+    at once (the walk requests their index slots), then evicted in order, each requesting what the eviction
     EVICT_AHEAD further touches: the victim's row lines (for writing), metadata and index slot,
     and the index slot of the key taking its row."""
     meta = icfg[IC_META]
@@ -486,8 +531,8 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
     vhash = np.empty(0 if lfu else npend, np.uint64)
     if not lfu:
         if parts[p, PT_LRU_KEPT] == 0:  # the first eviction of this partition
-            link_lru_from_stamps(r32, meta, parts, p, epoch)
-        if not _lru_victims(r32, r64, index, parts, p, meta, s0, ns, npend, victims, vhash):
+            link_lru_from_stamps(lru_log, r32, meta, parts, p, epoch)
+        if not _lru_victims(lru_log, r32, r64, index, parts, p, meta, s0, ns, npend, victims, vhash, epoch):
             return ERR_FULL
     for i in range(npend):
         if lfu:
@@ -526,15 +571,15 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
 
 @njit(cache=True, nogil=True)
 def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, parts, sketch,
-                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase, tier):
+                      icfg, fcfg, seed, epoch, mode, out_rows, inverse, uniq_rows, ubase, tier, lru_log):
     """Probe (and insert) the keys of partition p; returns (number of unique rows, error code).
 
     Passes: dedupe the batch's keys locally (`dedupe`); probe each distinct key once in a
-    software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row, metadata and LRU
-    neighbours of the key PREFETCH_ROW ahead are requested from memory early, so their misses
+    software pipeline (the index slot of the key PREFETCH_SLOT ahead, the row and metadata of the
+    key PREFETCH_ROW ahead are requested from memory early, so their misses
     overlap instead of following one another), a new key taking the next unused row while there
     is one; then the new keys of a full partition get rows by eviction, all at once (`_evict_for`);
-    then the call's rows go to the head of the LRU list in first-seen order; then every position
+    then the call's rows go to the end of the LRU ring in first-seen order; then every position
     is mapped to its unique row. A key absent or refused admission reads as row -1 at every one of
     its positions. Evicting after the probes means a key the call uses is never evicted by it.
 
@@ -552,7 +597,6 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     admit_all = icfg[IC_MIN_FREQ] <= 1 and fcfg[FC_ADMIT_PROB] >= 1.0  # no admission roll to make
     tiered = has_tier(tier)
     relinks = not lfu and (mode != MODE_FIND or tiered)  # the call's uses move rows in the LRU order
-    linked = relinks and parts[p, PT_LRU_KEPT] == 1  # the list is kept: a row used leaves it until the end
     s0 = parts[p, PT_SLOT_START]
     ns = parts[p, PT_SLOT_COUNT]
     n = hi - lo
@@ -587,16 +631,6 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                 prefetch_row(rows, guess)
                 if width > LINE_FLOATS:  # the optimizer state's line too, for the update
                     prefetch_cell(rows, guess, width - 1)
-        ahead = u + PREFETCH_LINKS
-        if PREFETCH_ROW <= ahead < nd and linked:
-            guess = guess_of[ahead]
-            if guess >= 0:  # the LRU neighbours this key's unlinking will write
-                prv = r32[guess, meta + M_PREV]
-                nxt = r32[guess, meta + M_NEXT]
-                if prv >= 0:
-                    prefetch_row(r32, prv)
-                if nxt >= 0:
-                    prefetch_row(r32, nxt)
         key = ukeys[u]
         h = uhash[u]
         slot = _probe(index, r64, kcol, key, s0, ns, h, row_bits)
@@ -625,8 +659,6 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         else:
             if tiered:
                 tier[3][p, TP_HITS] += 1
-            if linked:
-                _lru_unlink(r32, meta, parts, p, r)
         if r >= 0:
             _mark_use(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, ubase + nuniq)
         uniq_rows[ubase + nuniq] = r
@@ -636,12 +668,14 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
     err = 0
     if npend > 0:
         err = _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg,
-                         fcfg, seed, epoch, mode, uniq_rows, tier)
-    if relinks and parts[p, PT_LRU_KEPT] == 1:  # the call's rows, most recent at the head
+                         fcfg, seed, epoch, mode, uniq_rows, tier, lru_log)
+    if relinks and parts[p, PT_LRU_KEPT] == 1:  # the call's rows, most recent at the end of the ring
+        base, ring = log_span(parts, p)
+        _log_room(lru_log, base, ring, r32, meta, parts, p, nuniq, epoch)
         for i in range(nuniq):
             r = uniq_rows[ubase + i]
             if r >= 0:
-                _lru_push_head(r32, meta, parts, p, r)
+                _log_append(lru_log, base, ring, r32, meta, parts, p, r)
     if tiered:
         tier[3][p, TP_LOOKUPS] += nd
     if err != 0:
@@ -659,23 +693,23 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
 
 @njit(cache=True, nogil=True, parallel=True)
 def lookup_parallel(keys, hashes, order, starts, rows, r32, r64, index, parts, sketch, icfg, fcfg,
-                    seed, epoch, mode, out_rows, inverse, uniq_rows, nuniq, errors, tier):
+                    seed, epoch, mode, out_rows, inverse, uniq_rows, nuniq, errors, tier, lru_log):
     """All partitions at once, one per thread; unique rows of p land at uniq_rows[starts[p]:]."""
     for p in prange(parts.shape[0]):
         n, err = _lookup_partition(p, keys, hashes, order, starts[p], starts[p + 1], rows, r32, r64,
                                    index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
-                                   inverse, uniq_rows, starts[p], tier)
+                                   inverse, uniq_rows, starts[p], tier, lru_log)
         nuniq[p] = n
         errors[p] = err
 
 
 @njit(cache=True, nogil=True)
 def lookup_serial(keys, rows, r32, r64, index, parts, sketch, icfg, fcfg, seed, epoch,
-                  mode, out_rows, inverse, uniq_rows, tier):
+                  mode, out_rows, inverse, uniq_rows, tier, lru_log):
     """One partition: the common single-thread path, no reordering (dedupe hashes the keys)."""
     return _lookup_partition(0, keys, np.empty(0, np.uint64), np.empty(0, np.int64), 0, keys.shape[0], rows, r32,
                              r64, index, parts, sketch, icfg, fcfg, seed, epoch, mode, out_rows,
-                             inverse, uniq_rows, 0, tier)
+                             inverse, uniq_rows, 0, tier, lru_log)
 
 
 @njit(cache=True, nogil=True)
@@ -918,7 +952,7 @@ def apply_updates(rows, r32, r64, uniq_rows, uniq_keys, ugrad, icfg, fcfg, opt, 
 # ---------------------------------------------------------------- expiry
 
 @njit(cache=True, nogil=True)
-def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp):
+def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp, lru_log):
     """Drop every live row whose last training use (stamp) is at or before lookup call
     `last_stamp`; returns how many. A partition's rows stay contiguous: the hole a dropped row
     leaves takes the partition's last row (its data, metadata, index entry and LRU links move
@@ -943,8 +977,7 @@ def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp):
             key = r64[r, kcol]
             _index_delete(index, r64, kcol, _probe(index, r64, kcol, key, s0, ns, index_hash(key), row_bits),
                           s0, ns, row_bits)
-            if linked:
-                _lru_unlink(r32, meta, parts, p, r)
+            r32[r, meta + M_LOG_AT] = -1  # its ring entry, if any, is stale from now on
             last = start + parts[p, PT_SIZE] - 1
             parts[p, PT_SIZE] -= 1
             dropped += 1
@@ -958,8 +991,10 @@ def expire_rows(rows, r32, r64, index, parts, icfg, last_stamp):
             for j in range(META_WIDTH):
                 r32[r, meta + j] = r32[last, meta + j]
             index[slot] = _entry(r, h, row_bits, slot - s0, ns)
-            if linked:
-                _lru_relink_moved(r32, meta, parts, p, r)
+            at = r32[r, meta + M_LOG_AT]
+            base = log_span(parts, p)[0]
+            if linked and at >= 0 and lru_log[base + at] == last:  # the moved row's ring entry names its new row
+                lru_log[base + at] = r
             # row r now holds the moved row: look at it again
     return dropped
 

@@ -120,9 +120,13 @@ class Arena:
             return arr
         return np.memmap(file, dtype=dtype, mode="r+", shape=tuple(shape))
 
-    def size_of(self, label: str, dtype) -> int:
-        """Number of elements of `dtype` in a named array's file."""
-        return (self.path / f"{label}.bin").stat().st_size // np.dtype(dtype).itemsize
+    def size_of(self, label: str, dtype, missing: int | None = None) -> int:
+        """Number of elements of `dtype` in a named array's file (`missing` if there is none,
+        when given)."""
+        file = self.path / f"{label}.bin"
+        if missing is not None and not file.exists():
+            return missing
+        return file.stat().st_size // np.dtype(dtype).itemsize
 
     def replace_array(self, label: str, shape, dtype) -> np.ndarray:
         """A new zero-filled array under `label`; for named memory the new file replaces the old

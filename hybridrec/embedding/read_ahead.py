@@ -6,12 +6,12 @@ of keys it takes back from disk, and the home records of the rows it evicts; aft
 the mapping, disk_tier.PAGE_BUDGET, nearly each of them faults). Once a batch's lookup is done
 and its successor is known, `prefault_cold_records` (`EmbeddingStore.read_ahead`) finds, in one
 kernel call over the successor's distinct keys, those absent from memory and perhaps on disk, and
-the rows that will be evicted for the absent ones (the tail of each partition's LRU list, which a
-lookup's update leaves where it is), and writes the always-zero pad column of each of their home
+the rows that will be evicted for the absent ones (the front of each partition's LRU ring, which
+a lookup's update leaves where it is), and writes the always-zero pad column of each of their home
 records: each page comes in writable, through a write fault on this thread, before the lookup
 that reads and writes it. Nothing a lookup reads changes, so results are the same with or without
 it; a guess gone stale (a lookup ran meanwhile) costs only a fault. The kernel reads the index
-and the LRU list without the store's lock (they may change under it: every row number and slot is
+and the LRU ring without the store's lock (they may change under it: every row number and slot is
 bounds-checked and every walk bounded); it may overlap the lookup it prepares, and stops once
 the one after that starts.
 
@@ -26,8 +26,9 @@ import numpy as np
 from numba import njit
 
 from .hashing import index_hash, scale32, scale_hi32
-from .kernels import (IC_META, IC_POLICY, IC_ROW_BITS, M_PREV, POLICY_LRU, PT_LRU_KEPT, PT_ROW_COUNT, PT_SIZE,
-                      PT_SLOT_COUNT, PT_SLOT_START, PT_TAIL, SC_EPOCH, _row_mask, _tag, _tag_mask)
+from .kernels import (IC_META, IC_POLICY, IC_ROW_BITS, M_LOG_AT, POLICY_LRU, PT_LOG_END, PT_LOG_START, PT_LRU_KEPT,
+                      PT_ROW_COUNT, PT_SIZE, PT_SLOT_COUNT, PT_SLOT_START, SC_EPOCH, _row_mask, _tag, _tag_mask,
+                      log_span)
 from .tier_kernels import R_PAD, TP_SLOT_COUNT, TP_SLOT_START, has_tier, maybe_on_disk
 
 _CHECK_EVERY = 64  # keys between two looks at the store's lookup count
@@ -65,7 +66,7 @@ def _in_memory(index, r64, kcol, key, h, s0, ns, row_bits, nrows):
 
 
 @njit(cache=True, nogil=True)
-def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
+def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier, lru_log):
     """Fault in, writable, the home records a lookup of `keys` will touch on the disk tier, in
     the order it touches them: those of keys absent from memory that may be on disk, then, in
     each full LRU partition, those of the rows its absent keys will evict (a key given twice is
@@ -100,13 +101,20 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier):
         if parts[p, PT_LRU_KEPT] == 0:  # not full yet: absent keys take unused rows
             continue
         victims = parts[p, PT_SIZE] + absent[p] - parts[p, PT_ROW_COUNT]
-        t = parts[p, PT_TAIL]
-        for k in range(victims):
-            if t < 0 or t >= nrows or (k % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale):
+        base, ring = log_span(parts, p)
+        i = parts[p, PT_LOG_START]
+        end = parts[p, PT_LOG_END]
+        k = 0
+        for step in range(ring):  # the ring's live entries from its front, as the lookup walks it
+            if k >= victims or i == end or not 0 <= i < ring or (
+                    step % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale):
                 break
-            _prefault(tier, p, index_hash(r64[t, kcol]))
-            touched += 1
-            t = r32[t, meta + M_PREV]
+            r = lru_log[base + i]
+            if 0 <= r < nrows and r32[r, meta + M_LOG_AT] == i:
+                _prefault(tier, p, index_hash(r64[r, kcol]))
+                touched += 1
+                k += 1
+            i = i + 1 if i + 1 < ring else 0
     return touched
 
 

@@ -24,7 +24,8 @@ from .tier_kernels import no_tier
 from .memory import Arena, shared_exists, unlink_shared
 from .table import POOLING_MODES, TableConfig
 
-_MAGIC = 0x48524533  # "HRE3": index entries carry a hash tag and their displacement above the row number
+_MAGIC = 0x48524534  # "HRE4": the LRU order is a ring of row numbers (kernels.py), not a linked list
+_MAGIC_LISTED = 0x48524533  # "HRE3": the layout before, with linked LRU lists (re-linked into a ring on attach)
 _MAGIC_TAGGED = 0x48524532  # "HRE2": the layout before, whose entries carry no displacement (re-indexed on attach)
 _MAGIC_UNTAGGED = 0x48524543  # "HREC": the layout before, whose index entries are bare row numbers
 # scalars[*]
@@ -154,6 +155,11 @@ class EmbeddingStore:
         if cfg.admit_min_frequency > 1:
             sketch_width = 1 << max(10, int(np.ceil(np.log2(max(cfg.capacity, 2)))) - 1)
         self.sketch = a.array("sketch", (2, sketch_width), np.uint16, create=create)
+        log_slots = K.log_slots(row_counts)
+        if create or a.size_of("lru_log", np.int32, missing=0) == log_slots:
+            self.lru_log = a.array("lru_log", (log_slots,), np.int32, create=create, prefault=cfg.prefault)
+        else:  # a store of an earlier layout, whose LRU order is in linked lists: attach builds the ring
+            self.lru_log = a.replace_array("lru_log", (log_slots,), np.int32)
         if create:
             self.parts[:] = 0
             self.parts[:, K.PT_ROW_START] = np.concatenate([[0], np.cumsum(row_counts)[:-1]])
@@ -161,8 +167,8 @@ class EmbeddingStore:
             slots = slot_counts(row_counts, 0)
             self.index[:int(slots.sum())] = -1
             self._set_slot_layout(slots)
-            self.parts[:, K.PT_HEAD] = -1
-            self.parts[:, K.PT_TAIL] = -1
+            self.parts[:, K.PT_LOG_END] = 0
+            self.parts[:, K.PT_LOG_START] = 0
             self.scalars[:] = 0
             self.sketch[:] = 0
             self.scalars[S_MAGIC] = _MAGIC
@@ -171,7 +177,7 @@ class EmbeddingStore:
     def attach(cls, shm_name: str) -> "EmbeddingStore":
         """Map a named shared-memory store again, e.g. after its owning process was killed.
 
-        If that process died inside an update, the hash index and LRU lists are rebuilt from the
+        If that process died inside an update, the hash index and LRU rings are rebuilt from the
         rows; every update that had completed is kept.
         """
         arena = Arena(shm_name, create=False)
@@ -185,7 +191,7 @@ class EmbeddingStore:
         if self.scalars[S_MAGIC] == _MAGIC_UNTAGGED:
             raise ValueError(f"shm_name: {shm_name!r} holds a store of an earlier hybridrec layout (index entries "
                              f"without hash tags); save it with that version and load the checkpoint instead")
-        if self.scalars[S_MAGIC] == _MAGIC_TAGGED:  # the same rows and lists: only the index is rebuilt
+        if self.scalars[S_MAGIC] in (_MAGIC_TAGGED, _MAGIC_LISTED):  # the same rows: index and LRU rings rebuilt
             self.scalars[S_DIRTY] = 1
             self.scalars[S_MAGIC] = _MAGIC
         if self.scalars[S_MAGIC] != _MAGIC:
@@ -287,11 +293,16 @@ class EmbeddingStore:
         bad = K.rebuild_index(self.r64, self.index, self.parts, 0, int(self.icfg[K.IC_ROW_BITS]))
         if bad >= 0:
             raise ValueError(f"store {self._arena.name!r}: rows are corrupt (key of row {bad} appears twice)")
+        self._relink_lru()
+        self.scalars[S_DIRTY] = 0
+
+    def _relink_lru(self) -> None:
+        """Build the LRU ring of each partition that keeps one from its rows' stamps (a ring not
+        kept yet is built at the partition's first eviction)."""
         if self.config.eviction == "lru":
             for p in range(self.nparts):
-                if self.parts[p, K.PT_LRU_KEPT]:  # a list not kept yet is built at the first eviction
-                    K.link_lru_from_stamps(self.r32, 0, self.parts, p)
-        self.scalars[S_DIRTY] = 0
+                if self.parts[p, K.PT_LRU_KEPT]:
+                    K.link_lru_from_stamps(self.lru_log, self.r32, 0, self.parts, p)
 
     # ---------------------------------------------------------------- core operations
     def restart_epoch_count_if_due(self) -> None:
@@ -299,10 +310,10 @@ class EmbeddingStore:
         row's last use (the LRU order they encode is kept). Call it, with the lock held, before a
         kernel counts another lookup call."""
         if self.scalars[S_EPOCH] >= K.EPOCH_LIMIT:
-            if self.config.eviction == "lru":  # recency lives in the stamps until a list is kept
+            if self.config.eviction == "lru":  # recency lives in the stamps until a ring is kept
                 for p in range(self.nparts):
                     if not self.parts[p, K.PT_LRU_KEPT]:
-                        K.link_lru_from_stamps(self.r32, 0, self.parts, p)
+                        K.link_lru_from_stamps(self.lru_log, self.r32, 0, self.parts, p)
             self.meta[:, K.M_STAMP] = 0
             self.scalars[S_EPOCH] = 1
 
@@ -340,7 +351,7 @@ class EmbeddingStore:
             self.scalars[S_DIRTY] = 1
             nuniq, err = K.lookup_serial(keys, self.rows, self.r32, self.r64, self.index, self.parts,
                                          self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode,
-                                         out_rows, inverse, uniq, self._tier)
+                                         out_rows, inverse, uniq, self._tier, self.lru_log)
             self.scalars[S_DIRTY] = 0
         else:
             hashes = np.empty(n, np.uint64)
@@ -354,7 +365,7 @@ class EmbeddingStore:
             self.scalars[S_DIRTY] = 1
             K.lookup_parallel(keys, hashes, order, starts, self.rows, self.r32, self.r64, self.index, self.parts,
                               self.sketch, self.icfg, self.fcfg, self.seed, epoch, mode, out_rows, inverse,
-                              uniq, counts, errors, self._tier)
+                              uniq, counts, errors, self._tier, self.lru_log)
             self.scalars[S_DIRTY] = 0
             err = int(errors.max())
             nuniq = K.compact_unique(starts, counts, part_of, uniq, inverse)
@@ -383,7 +394,7 @@ class EmbeddingStore:
             if self.disk_tier is None:
                 return 0
             return int(prefault_cold_records(keys, self.r32, self.r64, self.index, self.parts, self.icfg,
-                                             self.scalars, self._tier))
+                                             self.scalars, self._tier, self.lru_log))
 
     def apply(self, lookup: Lookup, grad_unique: np.ndarray) -> int:
         """One optimizer step with the summed gradient of each unique row of `lookup`.
@@ -459,7 +470,8 @@ class EmbeddingStore:
             del self._marks[:newest]
             self._thin_marks()
             self.scalars[S_DIRTY] = 1
-            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, last_stamp)
+            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, last_stamp,
+                                   self.lru_log)
             self.scalars[S_DIRTY] = 0
             self.scalars[K.SC_EXPIRED] += dropped
             return int(dropped)
@@ -587,6 +599,7 @@ class EmbeddingStore:
                 self.meta[live] = snapshot.meta
                 self.sketch[:] = snapshot.sketch
                 self._relay_index(self._fitting_generation(int(self.scalars[S_INDEX_GEN]), 0))
+                self._relink_lru()  # the snapshot holds the order in its stamps, not the ring
                 if len(np.unique(self.keys())) != len(self):
                     raise ValueError(f"{source} is corrupt (a key appears in two rows)")
             else:
@@ -651,7 +664,8 @@ class EmbeddingStore:
             lowest = np.iinfo(np.int32).min  # no lookup call stamps a row so: only the chosen ones
             self.meta[chosen, K.M_STAMP] = lowest
             self.scalars[S_DIRTY] = 1
-            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, lowest)
+            dropped = K.expire_rows(self.rows, self.r32, self.r64, self.index, self.parts, self.icfg, lowest,
+                                   self.lru_log)
             self.scalars[S_DIRTY] = 0
             return int(dropped)
 
@@ -714,7 +728,8 @@ class EmbeddingStore:
         """Bytes of the store's arrays. Every array, the index included, is made at the size a full
         store needs, so this is also the memory of the store at full capacity (pages never
         written, of a store not prefaulted, are not backed until then)."""
-        return int(self.rows.nbytes + self.meta.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes)
+        return int(self.rows.nbytes + self.meta.nbytes + self.index.nbytes + self.parts.nbytes + self.scalars.nbytes + self.sketch.nbytes
+                   + self.lru_log.nbytes)
 
     def stats(self) -> dict:
         """Counters and sizes; with a disk tier also its rows, bytes and the memory tier's hit

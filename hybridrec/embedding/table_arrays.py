@@ -17,7 +17,8 @@ from .kernels import META_WIDTH, PARTS_WIDTH, SCALARS_WIDTH
 # columns of the address table: one row per table
 TA_ROWS, TA_META, TA_INDEX, TA_PARTS, TA_SKETCH, TA_SCALARS = 0, 1, 2, 3, 4, 5  # addresses
 TA_CAPACITY, TA_WIDTH, TA_SLOTS, TA_NPARTS, TA_SKETCH_WIDTH = 6, 7, 8, 9, 10  # shapes
-TA_COLUMNS = 11
+TA_LOG, TA_LOG_SLOTS = 11, 12  # the LRU ring: address, entries
+TA_COLUMNS = 13
 
 
 @intrinsic
@@ -68,6 +69,12 @@ def sketch_of(tables, t):
 
 
 @njit(inline="always")
+def lru_log_of(tables, t):
+    """Table t's LRU ring (kernels.py): int32 [2 * capacity + partitions]."""
+    return carray(_pointer(tables[t, TA_LOG], np.int32), (tables[t, TA_LOG_SLOTS],))
+
+
+@njit(inline="always")
 def scalars_of(tables, t):
     return carray(_pointer(tables[t, TA_SCALARS], np.int64), (SCALARS_WIDTH,))
 
@@ -83,7 +90,8 @@ class TableArrays:
         for t, s in enumerate(stores):
             arrays = {TA_ROWS: (s.rows, np.float32, 2), TA_META: (s.meta, np.int32, 2),
                       TA_INDEX: (s.index, np.int32, 1), TA_PARTS: (s.parts, np.int64, 2),
-                      TA_SKETCH: (s.sketch, np.uint16, 2), TA_SCALARS: (s.scalars, np.int64, 1)}
+                      TA_SKETCH: (s.sketch, np.uint16, 2), TA_SCALARS: (s.scalars, np.int64, 1),
+                      TA_LOG: (s.lru_log, np.int32, 1)}
             for column, (arr, dtype, ndim) in arrays.items():
                 if arr.dtype != dtype or arr.ndim != ndim or not arr.flags.c_contiguous:
                     raise TypeError(f"store {t}: array {column} is {arr.dtype} {arr.shape}, not a C-contiguous "
@@ -97,3 +105,4 @@ class TableArrays:
             self.table[t, TA_SLOTS] = s.index.shape[0]
             self.table[t, TA_NPARTS] = s.parts.shape[0]
             self.table[t, TA_SKETCH_WIDTH] = s.sketch.shape[1]
+            self.table[t, TA_LOG_SLOTS] = s.lru_log.shape[0]

@@ -153,7 +153,29 @@ def test_a_store_whose_index_entries_carry_no_displacement_is_reindexed_on_attac
     again = EmbeddingStore.attach(shm_name)
     np.testing.assert_array_equal(again.pull(keys[-40:], insert=False), rows)
     assert set(again.keys().tolist()) == live
-    assert again.scalars[S_MAGIC] == 0x48524533
+    assert again.scalars[S_MAGIC] == 0x48524534
+
+
+def test_a_store_with_linked_lru_lists_gets_its_lru_ring_on_attach_and_evicts_as_before(shm_name):
+    """The layout before this one ("HRE3") kept the LRU order in linked lists and had no ring
+    file; attaching it builds the ring from the rows' stamps, so later evictions pick the
+    victims a store that never left memory picks."""
+    keys = np.arange(1, 121, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    stores = [EmbeddingStore.open_shared(shm_name, dim=4, capacity=50), EmbeddingStore(dim=4, capacity=50)]
+    for store in stores:
+        store.pull(keys[:40])
+        _trained(store, keys[30:80])  # evicting: the ring is kept
+    old, same = stores
+    old.scalars[S_MAGIC] = 0x48524533
+    ring_file = old._arena.path / "lru_log.bin"
+    old.close()
+    ring_file.unlink()
+    again = EmbeddingStore.attach(shm_name)
+    assert again.scalars[S_MAGIC] == 0x48524534
+    for store in (again, same):
+        _trained(store, keys[70:120])
+    assert set(again.keys().tolist()) == set(same.keys().tolist())
+    again.close()
 
 
 def _slots_in_use(store):
