@@ -310,8 +310,11 @@ def print_report(result: dict) -> None:
               f"{'-' if use is None else f'{use:.2f}':>18}")
     projection = result.get("projection") or {}
     if projection.get("median_abs_error") is not None:
+        by_setting = projection.get("median_abs_error_by_setting") or {}
         print(f"cost model: median absolute error {projection['median_abs_error']:.2f} over "
-              f"{projection['predicted_runs']} runs")
+              f"{projection['predicted_runs']} runs"
+              + ("" if len(by_setting) < 2 else " (" + ", ".join(f"{setting} {error:.2f}" for setting, error
+                                                                  in by_setting.items()) + ")"))
     for name, paper in (projection.get("papers") or {}).items():
         print(f"paper {name}: projected {paper['projected']:.2f}x on {paper['cluster']} "
               f"(paper: {paper['reported']}; direction "
@@ -366,13 +369,25 @@ def reevaluate(parser, args) -> dict:
     return result
 
 
+def model_figures(result: dict) -> dict:
+    """The cost model's median absolute errors: over every run, and per setting when both ran."""
+    projection = result.get("projection") or {}
+    figures = pick(projection, {"cost model median abs error": "median_abs_error"})
+    by_setting = projection.get("median_abs_error_by_setting") or {}
+    if len(by_setting) > 1:
+        rate = (result.get("link_bound") or {}).get("rate")
+        figures.update({f"cost model median abs error {rate if setting == 'link_bound' else setting}": error
+                        for setting, error in by_setting.items()})
+    return figures
+
+
 def headline(result: dict) -> dict:
     if (result.get("settings") or {}).get("reevaluated"):  # the runs' ratios are the recorded result's figures
-        return pick(result.get("projection"), {"cost model median abs error": "median_abs_error"})
+        return model_figures(result)
     figures = {f"loopback {n} / baseline": r for n, r in result.get("loopback", {}).items()}
     link = result.get("link_bound", {})
     figures.update({f"{link.get('rate')} {n} / baseline": link[n] for n in STRATEGIES if n in link})
-    figures.update(pick(result.get("projection"), {"cost model median abs error": "median_abs_error"}))
+    figures.update(model_figures(result))
     return figures
 
 

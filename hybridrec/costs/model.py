@@ -240,7 +240,7 @@ def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | N
     calibration = load(calibration_path)
     cores = calibration["machine"]["cores"] or machine_cores()
     settings = {"loopback": Cluster(None, cores, True), "link_bound": Cluster(rate_bits, cores, True)}
-    errors, predicted = [], {}
+    errors, predicted, by_setting = [], {}, {}
     for setting, by_strategy in runs.items():
         for name, result in by_strategy.items():
             for side in ("baseline", "strategy"):
@@ -251,6 +251,7 @@ def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | N
                     guesses.append(predict(calibration, job, cluster))
                     if run["samples_per_s"]:
                         errors.append(abs(guesses[-1] - run["samples_per_s"]) / run["samples_per_s"])
+                        by_setting.setdefault(setting, []).append(errors[-1])
     papers = {}
     for name, paper in PAPERS.items():
         result = runs.get("loopback", {}).get(name)
@@ -263,5 +264,6 @@ def validate_and_project(calibration_path: str, runs: dict, rate_bits: float | N
                         "cluster_model": asdict(paper["cluster"]),
                         "direction_reproduced": (ratio > 1) == (paper["direction"] > 0)}
     return {"median_abs_error": statistics.median(errors) if errors else None, "predicted_runs": len(errors),
+            "median_abs_error_by_setting": {setting: statistics.median(e) for setting, e in by_setting.items()},
             "predicted": predicted, "papers": papers, "calibration": calibration,
             "clusters": {setting: asdict(cluster) for setting, cluster in settings.items()}}
