@@ -20,7 +20,9 @@ Operations (see `hybridrec.comm.transport` for the wire format):
               -> the current value of each name (the first value given for a name wins)
   dense_pull  meta {names}                        -> {name: current value}, meta {version}
   dense_push  {name: float32 grad}: one optimizer step each     -> meta {version}
-  stats       -> meta {pid, tables: {name: store.stats()}, dense: {params, version}}
+  stats       -> meta {pid, tables: {name: store.stats()}, dense: {params, version}, replication:
+              {forwarded, forward_failures (pushes acknowledged alone), forward_requests,
+              stale_forwards, refused_forwards}}
   checkpoint  meta {directory, token, wait}: each table saved to directory/<table>, dense params
               to directory/dense (when the server holds any), in the background
               -> meta {state: running | done, directory, tables}; the same request again polls
@@ -390,7 +392,8 @@ class EmbeddingServer(Service):
         dense = self.dense
         return Message("stats", meta={"pid": os.getpid(),
                                       "tables": {n: s.stats() for n, s in stores.items()},
-                                      "dense": {"params": dense.shapes(), "version": dense.version}})
+                                      "dense": {"params": dense.shapes(), "version": dense.version},
+                                      "replication": dict(self.replication.counts)})
 
     def _expire(self, request: Message) -> Message:
         """Every table with `expire_after` drops the rows unseen for longer (EmbeddingStore.expire)

@@ -231,7 +231,8 @@ def test_concurrent_pushes_on_replicated_servers_reach_their_backups_without_wai
         for pusher in pushers:
             pusher.join(120)
         assert not errors and not any(p.is_alive() for p in pushers), errors
-        assert [s.replication.counts["forward_failures"] for s in running] == [0, 0]
+        counts = [server["replication"] for server in clients[0].stats()]
+        assert [c["forward_failures"] for c in counts] == [0, 0] and all(c["forwarded"] > 0 for c in counts)
         running[0].stop(timeout=5)
         coordinator.fail_over(running[0].address)
         for ledger in ledgers:
