@@ -17,9 +17,11 @@ back into memory at the key's next lookup; both happen inside the store's lookup
 
 Memory: the records are file pages. Those the kernels touch count in the process's RSS until
 they are dropped from its mapping, which `release_pages` does (madvise DONTNEED; the data stays
-in the file and the page cache) whenever the records touched since the last release could
-exceed PAGE_BUDGET bytes. The process's memory is thus the memory tier plus that fixed bound,
-whatever the size of the tier on disk.
+in the file and the page cache) after a lookup call whenever the records mapped then, and as many
+again for the next call, would exceed PAGE_BUDGET bytes. Record pages are first touched by a
+write (tier_kernels._first_touch), which maps one page, where a read fault maps up to 16. The
+process's memory is thus the memory tier plus that fixed bound, whatever the size of the tier on
+disk.
 """
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ class DiskTier:
         self.row_width = int(row_width)
         self.nparts = int(nparts)
         self.width = T.record_width(row_width)
+        self._mapped = 0  # record pages mapped after the last lookup call
         caps = _region_sizes(self.capacity_rows, self.nparts)
         slots = np.array([math.ceil(c / T.LOAD_FACTOR) + 1 for c in caps], np.int64)
         self.slots = int(slots.sum())
@@ -189,13 +192,19 @@ class DiskTier:
 
     def end_write(self) -> None:
         self.header[H_DIRTY] = 0
-        if file_pages_bytes() - self._file_base > PAGE_BUDGET:
+        mapped = file_pages_bytes() - self._file_base
+        # the next call is taken to map as many pages as this one did: the pages are released
+        # now if together they would pass the bound, so that the mapping stays under it
+        if 2 * mapped - self._mapped > PAGE_BUDGET:
             self.release_pages()
+        else:
+            self._mapped = max(mapped, 0)
 
     def release_pages(self) -> None:
         """Drop the record pages from this process's mapping (they stay in the file and the page
         cache), so that the tiers' share of the RSS stays under PAGE_BUDGET."""
         self._records.madvise(mmap.MADV_DONTNEED)
+        self._mapped = 0  # record pages mapped after the last lookup call
 
     def repair(self, memory_keys: np.ndarray) -> None:
         """Make the records a valid hash table again after a process died while writing them:

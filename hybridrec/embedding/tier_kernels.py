@@ -98,6 +98,15 @@ def has_tier(tier):
     return tier[3].shape[0] > 0
 
 
+@njit(inline="always")
+def _first_touch(rec32, slot):
+    """Write the pad column (always 0) of a record before reading it: if its page is not mapped,
+    the write fault maps that page alone, writable, where a read fault would map up to 16
+    cached pages around it (the kernel's fault-around), each counting in the RSS, and the write
+    that follows would fault again."""
+    rec32[slot, R_PAD] = 0
+
+
 @njit(cache=True, nogil=True)
 def tier_find(tier, p, key, h):
     """Record slot of `key` in region p, or -1."""
@@ -105,6 +114,7 @@ def tier_find(tier, p, key, h):
     s0 = tier[3][p, TP_SLOT_START]
     ns = tier[3][p, TP_SLOT_COUNT]
     s = scale32(h, ns)
+    _first_touch(rec32, s0 + s)
     while True:
         if rec32[s0 + s, R_USED] == 0:
             return np.int64(-1)
@@ -177,6 +187,7 @@ def _write(tier, p, key, rows, i, count, clock):
     s0 = tparts[p, TP_SLOT_START]
     ns = tparts[p, TP_SLOT_COUNT]
     s = scale32(index_hash(key), ns)
+    _first_touch(rec32, s0 + s)
     while rec32[s0 + s, R_USED] != 0 and rec64[s0 + s, 0] != key:
         s += 1
         if s == ns:
