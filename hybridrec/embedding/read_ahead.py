@@ -12,8 +12,9 @@ records: each page comes in writable, through a write fault on this thread, befo
 that reads and writes it. Nothing a lookup reads changes, so results are the same with or without
 it; a guess gone stale (a lookup ran meanwhile) costs only a fault. The kernel reads the index
 and the LRU ring without the store's lock (they may change under it: every row number and slot is
-bounds-checked and every walk bounded); it may overlap the lookup it prepares, and stops once
-the one after that starts.
+bounds-checked and every walk bounded), and stops once the lookup it prepares starts: the pages
+it mapped are then those that lookup's release accounts for (disk_tier.end_write), so the RSS
+bound holds with it too.
 
 `ReadAhead` is the thread: `submit(fn, *args)` hands it the newest job (a job not yet started
 is replaced: only the next batch is worth reading), `close()` stops it.
@@ -70,12 +71,11 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier, lru
     """Fault in, writable, the home records a lookup of `keys` will touch on the disk tier, in
     the order it touches them: those of keys absent from memory that may be on disk, then, in
     each full LRU partition, those of the rows its absent keys will evict (a key given twice is
-    counted twice: a few victims more). Returns the records touched. It may run beside the
-    lookup it prepares (ahead of it: it does far less per key), and stops once a later lookup
-    of the store starts (its guesses are stale then)."""
+    counted twice: a few victims more). Returns the records touched. Stops once the store's
+    next lookup starts."""
     if not has_tier(tier):
         return 0
-    stale = scalars[SC_EPOCH] + 2
+    stale = scalars[SC_EPOCH] + 1
     meta = icfg[IC_META]
     kcol = meta // 2
     row_bits = icfg[IC_ROW_BITS]

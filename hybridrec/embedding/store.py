@@ -385,8 +385,8 @@ class EmbeddingStore:
     def read_ahead(self, keys: np.ndarray) -> int:
         """Fault in the disk-tier records a coming lookup of `keys` will read or write (the cold
         keys' and those of the rows it will evict), from the calling thread, while another
-        thread may use the store, even for that lookup (read_ahead.py); returns how many. Changes nothing a lookup
-        reads; a store without a tier has nothing to do."""
+        thread may use the store, until that lookup starts (read_ahead.py); returns how many.
+        Changes nothing a lookup reads; a store without a tier has nothing to do."""
         if self.disk_tier is None:
             return 0
         keys = check_keys(keys)
