@@ -21,6 +21,7 @@ class HotTable:
         self.parts = np.zeros((1, K.PARTS_WIDTH), np.int64)
         self.sketch = np.zeros((2, 1), np.uint16)
         self.scalars = np.zeros(K.SCALARS_WIDTH, np.int64)
+        self.lru_log = np.zeros(1, np.int32)
 
 
 class HotSet:
