@@ -16,6 +16,13 @@ key it keeps the row of the newest read. Each request carries the stream's id an
 number; a backup applies a request only when its number is above the last one it applied from
 that stream, so a request that timed out at the primary (which gave it up and went on) and
 arrives late cannot overwrite rows sent after it.
+
+A request that fails (the backup refused the connection or timed out) leaves its pushes
+acknowledged by the primary alone. Their keys are kept, and the next request carries their rows
+read again at that moment (`reread`), after the forwards it sends: read last, they are the
+newest, so a backup that was only slow catches up at the next push. The keys kept are bounded by
+`max_rows`; past that the backup is too far behind to catch up this way (it is lost, and the
+coordinator rebuilds it) and they are given up, counted in `counts["resends_given_up"]`.
 """
 from __future__ import annotations
 
@@ -48,14 +55,20 @@ Send = Callable[[str, int, list[Forward]], bool]  # (stream id, sequence, forwar
 class ForwardStream:
     """Ordered, group-committed forwarding to one backup through `send` (see the module docstring)."""
 
-    def __init__(self, send: Send, max_rows: int, max_parts: int):
+    def __init__(self, send: Send, max_rows: int, max_parts: int,
+                 reread: Callable[[dict[str, np.ndarray]], Forward] | None = None, counts: dict | None = None):
         self.id = secrets.token_hex(8)
-        self._send, self._max_rows, self._max_parts = send, max_rows, max_parts
+        self._send, self._max_rows, self._max_parts, self._reread = send, max_rows, max_parts, reread
         self._cond = threading.Condition()
         self._queue: list[Forward] = []
         self._sending = False
         self._sequence = 0
+        self._behind: dict[str, list[np.ndarray]] = {}  # table -> keys of forwards the backup did not take
+        self._behind_rows = 0
         self.requests = 0  # requests sent (each carries one forward or more)
+        self.counts = counts if counts is not None else {}
+        for name in ("resent_rows", "resends_given_up"):
+            self.counts.setdefault(name, 0)
 
     def waiting(self) -> int:
         """How many forwards are queued behind the request in flight."""
@@ -74,6 +87,7 @@ class ForwardStream:
                 if mine.done:
                     return mine.delivered
                 batch = self._take()
+                self._catch_up(batch)
                 self._sending = True
                 self._sequence += 1
                 sequence = self._sequence
@@ -85,6 +99,8 @@ class ForwardStream:
                     self._cond.acquire()
                     for forward in batch:
                         forward.done, forward.delivered = True, delivered
+                    if not delivered:
+                        self._fell_behind(batch)
                     self._sending = False
                     self.requests += 1
                     self._cond.notify_all()
@@ -100,3 +116,26 @@ class ForwardStream:
             count += 1
         batch, self._queue = self._queue[:count], self._queue[count:]
         return batch
+
+    def _fell_behind(self, batch: list[Forward]) -> None:
+        """Keep the keys of a batch the backup did not take (bounded; see the module docstring)."""
+        for forward in batch:
+            for name, rows, meta in forward.parts:
+                self._behind.setdefault(name, []).append(np.ascontiguousarray(meta.view(np.uint64)[:, 0]))
+                self._behind_rows += len(rows)
+        if self._behind_rows > self._max_rows:
+            self.counts["resends_given_up"] += self._behind_rows
+            self._behind, self._behind_rows = {}, 0
+
+    def _catch_up(self, batch: list[Forward]) -> None:
+        """Append to `batch` the rows, read now, of the keys the backup missed, when they fit."""
+        if not self._behind or self._reread is None:
+            return
+        if (self._behind_rows + sum(f.rows for f in batch) > self._max_rows
+                or len(self._behind) + sum(len(f.parts) for f in batch) > self._max_parts):
+            return  # the next request, or the one after, carries them
+        again = self._reread({name: np.unique(np.concatenate(keys)) for name, keys in self._behind.items()})
+        self._behind, self._behind_rows = {}, 0
+        if again.parts:
+            self.counts["resent_rows"] += again.rows
+            batch.append(again)

@@ -10,8 +10,9 @@ backup keeps the newest row read, never an older one delivered late. Hence, when
 lost (`Coordinator.fail_over`), every push it acknowledged after its backup took the forward is
 in the new primary's rows, applied once (see Exactly once). What this does not cover: a push
 the primary acknowledged alone because its backup did not answer (it refuses the connection:
-gone; or it times out): such an update is lost at the failover unless a later forward of the
-same key carried it (the coordinator sees a lost server and gives its buckets a new backup);
+gone; or it times out) and that the primary lost before its next forward request to the same
+backup succeeded (that request carries the missed keys' rows read again; the coordinator sees a
+lost backup and gives its buckets a new one);
 a row the primary or the backup itself evicts (each is an LRU store of its own capacity; rows a
 server backs count against it). Keys only ever looked up, never pushed, are not forwarded: the
 backup makes them again with the same first value (a row's first value depends only on the
@@ -128,7 +129,8 @@ class Replication:
         with self._streams_lock:
             if address not in self._streams:
                 self._streams[address] = ForwardStream(lambda *batch: self._send(address, *batch),
-                                                       self._max_forward_rows, MAX_FORWARD_PARTS)
+                                                       self._max_forward_rows, MAX_FORWARD_PARTS,
+                                                       reread=self._reread, counts=self.counts)
             return self._streams[address]
 
     def waiting(self) -> int:
@@ -161,6 +163,12 @@ class Replication:
                 self.counts["forwarded"] += 1
             else:  # the backup is lost (the coordinator replaces it) or timed out: acknowledged alone
                 self.counts["forward_failures"] += 1
+
+    def _reread(self, keys: dict[str, np.ndarray]) -> Forward:
+        """The current rows of `keys` (table -> keys) for a backup that missed them."""
+        stores = self._stores()
+        return Forward(None, [(name, *stores[name].rows_of(table_keys)) for name, table_keys in keys.items()
+                              if name in stores])
 
     def _send(self, address: str, stream: str, sequence: int, forwards: list[Forward]) -> bool:
         """One replica_put of `forwards`, in order; whether the backup took it."""

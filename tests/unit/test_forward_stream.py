@@ -101,3 +101,32 @@ def test_pushers_waiting_behind_a_request_in_flight_share_the_next_one():
         thread.join(30)
     assert sent[0] == [("c", 0)] and sorted(sent[1]) == [("c", 1), ("c", 2), ("c", 3)] and len(sent) == 2
     assert results == {0: True, 1: False, 2: False, 3: False}
+
+
+def test_a_request_the_backup_missed_is_carried_again_read_anew_by_the_next_one():
+    """The first request fails (the backup timed out): its pushes were acknowledged alone, and the
+    next request carries their keys' rows as they are then, after its own forward."""
+    sent, now = [], {"t": 1.0}
+
+    def send(stream, sequence, forwards):
+        sent.append([(f.pushed, f.parts[0][2].view(np.uint64)[:, 0].tolist(), float(f.parts[0][1][0, 0]))
+                     for f in forwards])
+        return sequence != 1
+
+    def part(keys):
+        meta = np.zeros((len(keys), 8), np.int32)
+        meta.view(np.uint64)[:, 0] = keys
+        return ("t", np.full((len(keys), 2), now["t"], np.float32), meta)
+
+    def reread(keys):
+        return Forward(None, [part(keys["t"])])
+
+    counts = {}
+    stream = ForwardStream(send, max_rows=100, max_parts=512, reread=reread, counts=counts)
+    assert not stream.forward(lambda: Forward(("c", 1), [part(np.array([5, 7], np.uint64))]))
+    now["t"] = 2.0  # the rows changed since the failed request read them
+    assert stream.forward(lambda: Forward(("c", 2), [part(np.array([9], np.uint64))]))
+    assert sent == [[(("c", 1), [5, 7], 1.0)], [(("c", 2), [9], 2.0), (None, [5, 7], 2.0)]]
+    assert counts == {"resent_rows": 2, "resends_given_up": 0}
+    assert stream.forward(lambda: Forward(("c", 3), [part(np.array([9], np.uint64))]))
+    assert len(sent[-1]) == 1  # nothing is missed any more
