@@ -47,6 +47,11 @@ class _InProcess:
 
 
 class LocalPlacement(PlacementDefaults):
+    # no read-ahead unless __init__ finds a tiered table (subclasses that build their own
+    # collections, DES's field_sharded, read nothing ahead)
+    _read_ahead: ReadAhead | None = None
+    _coming = None
+
     def __init__(self, cfg, tables, world, endpoints=None):
         if world.size != 1:
             raise ConfigError(f"strategy.placement local keeps the tables inside one trainer process; this job has "
