@@ -83,3 +83,16 @@ def test_a_local_job_with_disk_tiers_reads_each_next_batch_ahead_and_trains_the_
         for field in rows_a[table]:
             np.testing.assert_array_equal(rows_a[table][field][order_a], rows_b[table][field][order_b],
                                           err_msg=f"{table} {field}")
+
+
+def test_a_local_job_leaves_its_disk_tier_free_for_the_next_store_of_its_process(tmp_path):
+    """fit, then score its checkpoint (or train again) in one Python process: the job's stores let
+    go of their tier directories when it ends, so the loaded stores can open the same ones."""
+    tier = {"path": str(tmp_path / "tiers"), "capacity_rows": 10_000}
+    config = small_config(tmp_path, "job", **{"data.synthetic.vocab_size": 3000, "data.synthetic.train_rows": 2_000,
+                                               "data.synthetic.test_rows": 500, "embedding.default.capacity": 300,
+                                               "embedding.default.tier": tier})
+    train(config)
+    _, rows = trained_state(config)  # the same tier directories as the job's
+    assert rows and all(len(table["keys"]) > 0 for table in rows.values())
+

@@ -155,8 +155,14 @@ class LocalPlacement(PlacementDefaults):
                 **({"embedding_tiers": tiers} if tiers else {})}
 
     def close(self) -> None:
-        if self._read_ahead is not None:
-            self._read_ahead.close()
+        """Stop the read-ahead, then close every store: a disk tier's directory is free again for
+        the next store of this process (scoring the checkpoint, training again)."""
+        try:
+            if self._read_ahead is not None:
+                self._read_ahead.close()
+        finally:
+            for _, _, _, store in self._tables():
+                store.close()
 
 
 PLACEMENT = LocalPlacement
