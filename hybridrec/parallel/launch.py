@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence, TextIO
 
 from hybridrec.axes import server_roles
+from hybridrec.config import ConfigError
 from hybridrec.parallel.host import new_job_id, remove_dead_jobs_shared_memory, remove_shared_memory
 from hybridrec.parallel.progress_relay import ProgressRelay
 from hybridrec.parallel.scale import ScaleControl, SupervisedServers
@@ -67,6 +68,10 @@ def launch(config: str, *, ps: int | None = None, embedding_workers: int | None 
                                  job_key=job_key)
 
     cfg = check_config(config, overrides)
+    if emulation is not None and cfg.strategy.ps_replicas > 1:  # the elastic tier runs on this machine only
+        raise ConfigError(f"strategy.ps_replicas is {cfg.strategy.ps_replicas}, but a job on emulated hosts "
+                          f"(--emulate-hosts) runs a fixed PS tier, neither routed nor replicated; use ps_replicas 1 "
+                          f"there, or launch without --emulate-hosts")
     counts = role_counts(cfg, ps, embedding_workers, trainers)
     ps, embedding_workers, trainers = counts["ps"], counts["embedding_workers"], counts["trainers"]
     check_arguments(ps=ps, embedding_workers=embedding_workers, trainers=trainers, max_restarts=max_restarts,

@@ -343,6 +343,16 @@ def test_launch_refuses_replicas_for_a_strategy_whose_server_state_they_would_no
     assert "strategy.ps_replicas is 2, but strategy.consistency het keeps state" in err and len(err.splitlines()) == 1
 
 
+def test_launch_refuses_replicas_on_emulated_hosts_where_the_ps_tier_is_fixed(tmp_path, capsys):
+    """On emulated hosts the PS servers are neither routed nor replicated: `ps_replicas: 2` there
+    is refused before any namespace is made, not silently run without a backup."""
+    config = tmp_path / "job.yaml"
+    config.write_text("strategy:\n  preset: persia\n  ps_replicas: 2\n")
+    assert main(["launch", str(config), "--ps", "2", "--trainers", "1", "--emulate-hosts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy.ps_replicas is 2, but a job on emulated hosts" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ps", "0", "--embedding-workers", "1", "--nn-workers", "1"], "--ps must be at least 1, got 0"),
     (["--ps", "1", "--embedding-workers", "1", "--nn-workers", "1", "--timeout", "-1"], "--timeout must be positive"),
