@@ -122,8 +122,11 @@ def test_a_job_of_trainers_alone_runs_on_ray_and_counts_its_trainers_on_the_mach
     assert not job_actors(job_id(log))
 
 
+EPOCHS = 4  # long enough that the job is still training when the killed PS comes back
+
+
 def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_path, ray_address):
-    config, log = write_config(tmp_path), tmp_path / "launch.log"
+    config, log = write_config(tmp_path, epochs=EPOCHS), tmp_path / "launch.log"
     process = start_job(config, ray_address, log)
     try:
         address = wait_for(lambda: next((line.split(" serves at ")[1].split()[0] for line in log.read_text().splitlines()
@@ -133,6 +136,8 @@ def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_p
         victim = ray.get_actor(f"hybridrec-{job_id(log)}-ps0", namespace=NAMESPACE)
         before = applied_updates(f"tcp://{address}")
         ray.kill(victim, no_restart=False)  # Ray restarts it, on the same node, port and shared memory
+        # the kill takes effect a moment later: the updates are counted once the launcher saw it die
+        wait_for(lambda: "ps0 died; Ray restarts it" in log.read_text(), 60, "the launcher to see ps0 die", log)
         after = wait_for(lambda: _answer(applied_updates, f"tcp://{address}"), 60, "the restarted PS", log)
         assert after >= before > 0  # every update it had applied (and so acknowledged) is still there
     finally:
@@ -141,7 +146,7 @@ def test_a_ps_actor_killed_mid_run_keeps_its_updates_and_the_job_completes(tmp_p
     assert code == 0, text[-3000:]
     assert "ps0 died; Ray restarts it" in text
     result = json.loads((tmp_path / "run" / "final_metrics.json").read_text())
-    assert result["step"] == steps_of_one_epoch(config), result
+    assert result["step"] == EPOCHS * steps_of_one_epoch(config), result
     assert result["auc"] > 0.6, result
     assert not job_actors(job_id(log))
 
