@@ -13,7 +13,8 @@ back into memory at the key's next lookup; both happen inside the store's lookup
   again: a restarted process (a PS server) finds its rows there;
 * `saved/`: the chunk files of the last checkpoint (see `save_chunks`), which checkpoints link
   to, so a checkpoint copies only the chunks that changed since the one before;
-* `lock`: held (flock) while a process has the tier open, so that two cannot write it at once.
+* `lock`: held (flock, `file_lock.ExclusiveLock`) while a store has the tier open, so that two
+  stores, of one process or of two, cannot write it at once.
 
 Memory: the records are file pages. Those the kernels touch count in the process's RSS until
 they are dropped from its mapping, which `release_pages` does (madvise DONTNEED; the data stays
@@ -25,7 +26,6 @@ disk.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import mmap
@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from . import tier_kernels as T
+from .file_lock import ExclusiveLock, LockHeld
 from .hashing import index_hash, scale_hi32
 
 FORMAT = "hybridrec-disk-tier"
@@ -110,12 +111,12 @@ class DiskTier:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ValueError(f"tier.path: cannot make directory {str(self.path)!r} ({error.strerror})") from None
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ValueError(f"tier.path: {str(self.path)!r} is in use by another process's store; "
+            self._lock = ExclusiveLock(self.path / "lock")
+        except LockHeld as held:
+            holder = ("another store of this process (close it first)" if held.by_this_process
+                      else "another process's store")
+            raise ValueError(f"tier.path: {str(self.path)!r} is in use by {holder}; "
                              f"give each table (and each PS server) a directory of its own") from None
         layout_file = self.path / "tier.json"
         existed = layout_file.is_file()
@@ -321,7 +322,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Write the mapped pages back and release the tier for another process."""
-        if self._lock_fd < 0:
+        if not self._lock.held:
             return
         self._records.flush()
         self._regions.flush()
@@ -329,9 +330,7 @@ class DiskTier:
         self._unlock()
 
     def _unlock(self) -> None:
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
-        self._lock_fd = -1
+        self._lock.release()
 
 
 def records_fields(records: np.ndarray, row_width: int):

@@ -89,9 +89,23 @@ def test_checkpoint_carries_the_tier_incrementally_and_reshards(tmp_path):
 
 def test_a_second_store_on_the_same_tier_and_bad_tier_settings_are_refused(tmp_path):
     store = _tiered(tmp_path)
-    with pytest.raises(ValueError, match="in use by another process"):
+    with pytest.raises(ValueError, match="in use by another store of this process"):
         _tiered(tmp_path)
     store.close()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys
+        fd = os.open({str(tmp_path / "tier" / "lock")!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.read()""")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match="in use by another process's store"):
+            _tiered(tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    _tiered(tmp_path).close()  # free again once each holder let go
     with pytest.raises(ValueError, match="another layout"):
         _tiered(tmp_path, optimizer="sgd")
     with pytest.raises(ValueError, match="tier.capacity_rows"):
