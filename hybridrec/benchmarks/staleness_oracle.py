@@ -5,7 +5,8 @@ Each job is `bench hybrid`'s (hybridrec.benchmarks.hybrid.run_job: PS servers, o
 worker and the trainers under torchrun; sync, hybrid or async as points of the strategy axes),
 run once per seed. Every job records the staleness its lookups had (and async its dense pulls:
 hybridrec.persia.staleness); the emulator replays the job (hybridrec.lab.trace.RecordedSchedule:
-the same config, seed and workers, each read seeing the updates the job's read saw) and, for
+the same config, seed and workers, each PS store's updates applied in the order that store
+applied them, each read seeing on each store the updates the job's read saw there) and, for
 comparison, runs it with the seeded schedule at the sweep's visibility under the discipline's
 nominal bound. Per discipline: the AUCs of the jobs and of the replays, their medians, and how
 many of the job's lookups missed more steps of some trainer than the discipline's bound allows
@@ -84,7 +85,10 @@ def oracle_check(args, log) -> dict:
                     check = dict(zip(("label", "workers", "seed", "lr_scale", "dense_lr_scale", "samples_asked",
                                       "visibility", "evaluated_on"), key),
                                  distributed_auc=metrics["auc"], emulated_auc=replay["auc"], seeded_auc=seeded["auc"],
-                                 departures=schedule.departures, dense_plan=schedule.describe().get("dense_plan"),
+                                 departures=schedule.departures + replay.get("embedding_departures", 0),
+                                 embedding_plan=schedule.describe()["embedding_plan"],
+                                 read_inversions=replay.get("embedding_inversions"),
+                                 dense_plan=schedule.describe().get("dense_plan"),
                                  reads_beyond_bound=list(_reads_beyond(directory, bound)),
                                  staleness_cross=metrics.get("staleness_cross"))
                     log.add(check)

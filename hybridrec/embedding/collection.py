@@ -231,6 +231,12 @@ def _apply_passes(passes, grads: list) -> None:
     if isinstance(passes, _GroupPass):
         passes.backward(grads[0])
         return
+    for tp, ugrad in _table_grads(passes, grads):
+        tp.store.apply(tp.lookup, ugrad)
+
+
+def _table_grads(passes: list, grads: list):
+    """(table pass, the gradient summed onto its unique rows) of each table the gradients reach."""
     for tp in passes:
         ugrad = np.zeros((tp.lookup.num_unique, tp.store.dim), np.float32)
         used = False
@@ -239,7 +245,7 @@ def _apply_passes(passes, grads: list) -> None:
                 tp.store.pooled_grad(tp.lookup, offsets, grads[group], ugrad, column=column)
                 used = True
         if used:
-            tp.store.apply(tp.lookup, ugrad)
+            yield tp, ugrad
 
 
 def _shared_rows(before: Lookup, after: Lookup) -> int:
@@ -266,6 +272,26 @@ class LookedAhead:
         if isinstance(self.passes, _GroupPass):
             return int(self.passes.nuniq.sum())
         return sum(tp.lookup.num_unique for tp in self.passes)
+
+    def unique_grads(self) -> list[tuple[EmbeddingStore, np.ndarray, np.ndarray, np.ndarray]]:
+        """(store, the batch's distinct rows of it, their keys, each row's summed gradient) per
+        table: the update backward recorded, summed as `apply_ahead` sums it, left unapplied for
+        a caller that applies it in parts (`EmbeddingStore.apply` of some rows: the staleness
+        lab replays each PS shard's share of an update when that shard applied it). Empty when
+        the batch was not trained."""
+        grads, p = self.grads, self.passes
+        if grads is None:
+            return []
+        if not isinstance(p, _GroupPass):
+            return [(tp.store, tp.lookup.uniq_rows, tp.lookup.uniq_keys, ugrad) for tp, ugrad in _table_grads(p, grads)]
+        ugrad = np.zeros((p.inverse.shape[0], grads[0].shape[2]), np.float32)
+        every = Lookup(p.inverse, p.inverse, p.uniq_rows, p.uniq_keys)  # unique-row numbers over all the tables
+        out = []
+        for t, store in enumerate(p.group.stores):
+            base, lo, n = int(p.spans[GK.SPAN_BASE, t]), int(p.spans[GK.SPAN_LO, t]), int(p.nuniq[t])
+            store.pooled_grad(every, p.offsets[base:base + p.bsz + 1], grads[0], ugrad, column=t)
+            out.append((store, p.uniq_rows[lo:lo + n], p.uniq_keys[lo:lo + n], ugrad[lo:lo + n]))
+        return out
 
     def rows_by_store(self) -> list[tuple[EmbeddingStore, np.ndarray]]:
         """(store, its distinct rows this batch reads) per table: which rows its update will

@@ -32,6 +32,7 @@ class Pulled:
     num_features: int
     batch_layout: BatchLayout | None = None
     handle: Any = None  # what the placement's connection needs to update this batch later
+    versions: dict | None = None  # {table: [per PS shard, the updates its store held when read]}, where known
 
 
 class EmbeddingInputs:

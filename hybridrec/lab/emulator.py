@@ -39,6 +39,7 @@ from hybridrec.lab.dense import AveragedDense, CentralDense, GroupCopies, Replay
 from hybridrec.lab.disciplines import Discipline
 from hybridrec.lab.embeddings import SharedEmbeddings
 from hybridrec.lab.het_caches import HetCaches
+from hybridrec.lab.replayed_embeddings import ReplayedEmbeddings
 from hybridrec.lab.schedule import Schedule
 from hybridrec.embedding.stream import ReadyBatch
 from hybridrec.strategy.placement.local import LocalPlacement
@@ -178,6 +179,7 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
     batches: list = []  # per round, the workers' batches (None once trained)
     looked: dict = {}  # (worker, step) -> its read, until its round trains
     trained = 0
+    planned = isinstance(side, ReplayedEmbeddings)
 
     def round_of(step: int):
         while len(batches) <= step:
@@ -188,6 +190,15 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
         return batches[step]
 
     def read(w: int, step: int) -> None:
+        if planned:  # the stores land what the job's lookup read, the rounds it needs trained first
+            for earlier in side.due_before(w, step):
+                if earlier[1] >= trained and earlier not in looked and round_of(earlier[1]) is not None:
+                    read(*earlier)
+            needed = [i for _, i in side.missing(w, step) if i < step]
+            if needed:
+                train_through(max(needed))
+            looked[w, step] = side.read(w, step, batches[step][w])
+            return
         required = _required(step, bound, workers)
         if required[0] > trained:  # updates the bound requires must have been computed first
             train_through(int(required[0]) - 1)
@@ -208,6 +219,8 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
             batches[trained] = None
             trained += 1
 
+    if planned:  # the reads in the plan's order; each update lands when a read or the end needs it
+        events = [("read", w, i) for w, i in side.plan.read_order]
     for kind, w, index in events:
         if kind == "read":
             if index >= trained and (w, index) not in looked and round_of(index) is not None:
@@ -282,6 +295,7 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: ReplayedDens
     iteration = np.zeros(workers, np.int64)
     ended = [None] * workers  # per worker, its number of steps once its stream ran out
     position = [{key: n for n, key in enumerate(order)} for order in plan.order] if plan else []
+    planned = isinstance(side, ReplayedEmbeddings)
 
     def batch_of(w: int, c: int):
         while ended[w] is None and c not in batches[w] and len(batches[w]) + int(iteration[w]) <= c:
@@ -292,7 +306,21 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: ReplayedDens
                 batches[w][len(batches[w]) + int(iteration[w])] = following
         return batches[w].get(c)
 
+    reading: set = set()  # reads in progress (a read the plan needs done first never waits for them)
+
     def read(w: int, c: int) -> None:
+        if planned:  # the stores land what the job's lookup read, its steps computed first
+            reading.add((w, c))
+            for earlier in side.due_before(w, c):
+                if earlier[1] >= iteration[earlier[0]] and earlier not in looked and earlier not in reading \
+                        and batch_of(*earlier) is not None:
+                    read(*earlier)
+            for other, step in side.missing(w, c):
+                if (other, step) not in reading and not (other == w and step >= c):
+                    run_through(other, step)
+            reading.discard((w, c))
+            looked[w, c] = side.read(w, c, batches[w][c], expected=np.minimum(side.computed, c))
+            return
         required = _required(c, bound, workers)
         if (side.applied < np.minimum(required, side.computed)).any():
             side.catch_up(required, schedule)
@@ -326,6 +354,8 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: ReplayedDens
     def run_through(w: int, last: int | None) -> None:
         while (last is None or iteration[w] <= last) and batch_of(w, int(iteration[w])) is not None:
             c = int(iteration[w])
+            if (w, c) in reading:
+                return
             if (w, c) not in looked:
                 read(w, c)
             batch = batches[w].pop(c)
@@ -342,7 +372,7 @@ def _free_running_in_time(job: _Job, side: SharedEmbeddings, dense: ReplayedDens
             for shard, order in enumerate(position):
                 if (w, index) in order:
                     land(shard, order[w, index] + 1)
-        else:
+        elif not planned:  # an embedding update: lands when it landed (planned: when a read needs it)
             run_through(w, index)
             if side.applied[w] == index < side.computed[w]:
                 side.apply(w)
@@ -401,6 +431,8 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
             raise UserError("het: a recorded schedule replays sync, hybrid and async jobs; HET's caches decide "
                             "themselves what a read sees")
         side = HetCaches(job.placement, job.tables, cfg.strategy.het, discipline.bound, workers, observer)
+    elif schedule.embedding_plan() is not None:
+        side = ReplayedEmbeddings(job.placement, workers, schedule.embedding_plan(), observer)
     else:
         side = SharedEmbeddings(job.placement, workers, observer)
     if discipline.lockstep:
@@ -436,15 +468,17 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
               "logloss": metrics["logloss"], "best_auc": job.sources[0].best_auc, "curve": progress.curve,
               "seconds": trained, "samples_per_s": progress.samples / trained if trained else None,
               **side.facts(), **dense.facts()}
-    return Emulation(result, model, job.placement, dense)
+    return Emulation(result, model, job.placement, dense, side)
 
 
 @dataclass
 class Emulation:
     """One emulated run: `result` (JSON: metrics and run facts), the trained dense `model` and the
-    `placement` holding the trained tables, and the run's dense side (`dense`)."""
+    `placement` holding the trained tables, and the run's dense and embedding sides (`dense`,
+    `embeddings`)."""
 
     result: dict
     model: torch.nn.Module
     placement: LocalPlacement
     dense: object
+    embeddings: object = None

@@ -20,8 +20,9 @@ The emulator asks the schedule, in a fixed order, for:
   reads and writes of the group's dense copy, each member's write after its own read.
 
 `RecordedSchedule` (hybridrec.lab.trace) answers `visible` and `order` from a real job's recorded
-staleness instead, and gives a replay the job's reads and updates in time order (`timeline`) and
-an async job's dense pushes in the order its PS shards applied them (`dense_plan`).
+staleness instead, and gives a replay the job's reads and updates in time order (`timeline`),
+its embedding updates in the order each PS store applied them (`embedding_plan`) and an async
+job's dense pushes in the order its PS shards applied them (`dense_plan`).
 """
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ class Schedule:
     def timeline(self) -> list[tuple[str, int, int]] | None:
         """A recorded job's reads and updates in the order they happened (`RecordedSchedule`);
         None: a seeded schedule answers the questions above one by one."""
+        return None
+
+    def embedding_plan(self):
+        """A recorded job's embedding updates in the order each PS store applied them, and what
+        each lookup read of each store (`hybridrec.lab.trace.EmbeddingPlan`); None: `visible`,
+        `timeline` and `apply_order` decide."""
         return None
 
     def dense_plan(self):

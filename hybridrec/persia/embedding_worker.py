@@ -6,7 +6,8 @@ Persia §4.1 steps (1)-(7):
         IDs under the first id and answers with it;
   pull  an NN worker asks for a buffered batch's embeddings: the worker deduplicates and routes
         the IDs of every table to the PS shards (one request per shard for all tables) and
-        answers, with the job's value codec, either the rows of each table's unique keys (the
+        answers (with, per table and shard, how many updates the shard's store had applied when
+        it read them: `versions`), with the job's value codec, either the rows of each table's unique keys (the
         lossless mode, `id_codec: unique`: the NN worker pools them itself, from the same
         layout of the same IDs, so no index is sent) or pooled [B, F, D] deep and [B, F] wide
         embeddings (`id_codec: none`, the baseline);
@@ -15,7 +16,8 @@ Persia §4.1 steps (1)-(7):
   push  the NN worker sends the gradients of what it pulled: the worker maps them back to the
         keys (pooled mode: through the pooling; unique mode: one row per key already), and
         pushes them to the PS, where the fused optimizer applies them; the batch leaves the
-        buffer.
+        buffer. The answer names, per table and shard, the update's place in the order that
+        shard's store applied updates (`versions`: the staleness lab replays a job in that order).
 The worker keeps no state across restarts: batches buffered when it dies are lost; a pull or
 push of a lost batch is answered with `lost: true` and counted, as Persia does. Lookups to a PS
 shard that died are retried until it is back (restarted on its shared memory); a push it did
@@ -190,11 +192,13 @@ class EmbeddingWorker(Service):
             self._count("lost_pulls")
             return Message("pull", meta={"lost": True})
         layout = self._layout(entry)
-        rows = self._client().lookup_tables(layout.unique, insert=train, unique=True)  # deduplicated by the layout
+        versions: dict[str, list[int]] = {}
+        rows = self._client().lookup_tables(layout.unique, insert=train, unique=True,  # deduplicated by the layout
+                                            versions=versions)
         if train and self._tiered != []:
             self._read_next(first)
         meta: dict[str, Any] = {"lost": False, "batch_size": layout.batch_size, "num_features": layout.num_features,
-                                "layout": "unique" if self.unique_rows else "pooled"}
+                                "layout": "unique" if self.unique_rows else "pooled", "versions": versions}
         if self.unique_rows:  # lossless: each unique row once; the NN worker pools (same layout, no index sent)
             parts = {table: rows[table] for table in layout.tables()}
         else:  # one pooled row per (sample, feature)
@@ -284,8 +288,9 @@ class EmbeddingWorker(Service):
                 self.counters["lost_pushes"] += 1
                 return Message("push", meta={"lost": True, "dropped": 0})
             self._forget(entry)
+        versions: dict[str, list[int]] = {}
         try:
-            dropped = self._client().push_tables(grads, unique=self.unique_rows)
+            dropped = self._client().push_tables(grads, unique=self.unique_rows, versions=versions)
         except TimeoutError:
             # a PS shard died mid-push: pushes are not retried (one may have been applied before the
             # crash), so this batch's update is lost on that shard, as asynchronous training allows
@@ -294,7 +299,7 @@ class EmbeddingWorker(Service):
         with self._lock:
             self.counters["pushes"] += 1
             self.counters["dropped_updates"] += int(dropped)
-        return Message("push", meta={"lost": False, "dropped": int(dropped)})
+        return Message("push", meta={"lost": False, "dropped": int(dropped), "versions": versions})
 
     def _stats(self, request: Message) -> Message:
         with self._lock:

@@ -64,11 +64,12 @@ class EmbeddingWorkerClient:
         meta = reply.meta
         parts = {name: decode_rows(self.value_codec, without_prefix(reply.arrays, name, meta[name]))
                  for name in meta["parts"]}
-        return Pulled(str(meta["layout"]), parts, int(meta["batch_size"]), int(meta["num_features"]))
+        return Pulled(str(meta["layout"]), parts, int(meta["batch_size"]), int(meta["num_features"]),
+                      versions=meta.get("versions"))
 
     def push(self, first_sample_id: int, grads: dict[str, np.ndarray]) -> dict:
         """Send the gradients of a pulled batch's parts (same names and shapes); returns
-        {lost, dropped[, unacknowledged]}."""
+        {lost, dropped[, unacknowledged][, versions]}."""
         arrays, meta = {}, {"first_sample_id": first_sample_id}
         for name, grad in grads.items():
             part_arrays, meta[name] = with_prefix(encode_rows(self.value_codec, np.ascontiguousarray(grad), name), name)

@@ -17,7 +17,9 @@ and only then may the next lookup be sent, so it sees every trainer's updates of
 Otherwise other trainers' updates interleave freely with this one's (the PS applies pushes as they
 come, without locks across trainers), as in Persia. The pipeline's `timeline` records when each
 lookup and update was sent and answered, from which the job learns how many steps of every
-trainer each lookup missed (hybridrec.persia.staleness).
+trainer each lookup missed, and where the PS numbers them, how many updates each of its stores
+had applied when it served a lookup and each update's place in that order
+(hybridrec.persia.staleness).
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ class EmbeddingPipeline:
                 self.lost_batches += 1
                 continue
             self.timeline.lookups.append((sent, Timeline.now()))
+            self.timeline.note_versions("lookup_versions", getattr(looked, "versions", None))
             looked_up += 1
             if not self._offer(ReadyBatch(index, batch, looked, staleness)):
                 return
@@ -141,6 +144,7 @@ class EmbeddingPipeline:
                 sent = Timeline.now()
                 reply = connection.update(looked, grads)
                 self.timeline.updates.append((sent, Timeline.now()))
+                self.timeline.note_versions("update_versions", reply.get("versions"))
                 lost, dropped, unacknowledged = update_counts(reply)
                 self.lost_batches += lost
                 self.dropped_updates += dropped

@@ -13,7 +13,10 @@ the leader writes every time to `staleness_trace.npz` in the output directory, f
 staleness lab replays the job (hybridrec.lab.trace). ps_async's dense pulls and pushes are
 recorded the same way in `dense_trace.npz`, with the PS shards' version numbers each pull read
 and each push made: the order in which every shard applied the pushes, and which of them each
-step computed on, as the servers saw them rather than as the clock suggests.
+step computed on, as the servers saw them rather than as the clock suggests. The embedding
+lookups and updates carry such numbers too, one per PS store (a table on one shard, the trace's
+`columns`, "<table>@<shard>"): how many updates the store had applied when it served the lookup,
+and each update's place in the store's order.
 """
 from __future__ import annotations
 
@@ -31,40 +34,82 @@ TRACE_KINDS = ("lookups", "updates", "lookup_versions", "update_versions")  # a 
 
 class Timeline:
     """One trainer's lookups and updates: (sent, answered) wall-clock seconds, in step order; and
-    where the server numbers its state (ps_async's dense pulls and pushes), per lookup and update
-    the version per shard it answered (`lookup_versions`, `update_versions`)."""
+    where the server numbers its state, per lookup and update the version it answered
+    (`lookup_versions`, `update_versions`): ps_async's dense pulls and pushes one per shard, the
+    embedding lookups and updates one per column of `columns` (`note_versions`; -1: that lookup
+    or update did not reach the store)."""
 
     def __init__(self) -> None:
         self.lookups: list[tuple[float, float]] = []
         self.updates: list[tuple[float, float]] = []
         self.lookup_versions: list[list[int]] = []
         self.update_versions: list[list[int]] = []
+        self.columns: list[str] = []  # the embedding stores numbered, "<table>@<shard>"
+        self._column: dict[str, int] = {}
 
     @staticmethod
     def now() -> float:
         return time.time()
 
+    def note_versions(self, kind: str, versions: dict | None) -> None:
+        """One more row of `kind` ("lookup_versions" or "update_versions") from a lookup's or an
+        update's numbers ({table: [per shard]}, None or {} where the answer had none): a column
+        per store, added as stores appear."""
+        row: list[int] = []
+        for table, numbers in (versions or {}).items():
+            for shard, number in enumerate(numbers):
+                name = f"{table}@{shard}"
+                if name not in self._column:
+                    self._column[name] = len(self.columns)
+                    self.columns.append(name)
+                column = self._column[name]
+                row.extend([-1] * (column + 1 - len(row)))
+                row[column] = int(number)
+        getattr(self, kind).append(row)
+
     def arrays(self) -> dict[str, np.ndarray]:
         out = {"lookups": np.array(self.lookups, np.float64).reshape(-1, 2),
                "updates": np.array(self.updates, np.float64).reshape(-1, 2)}
-        if self.lookup_versions or self.update_versions:
-            out["lookup_versions"] = np.array(self.lookup_versions, np.int64).reshape(len(self.lookup_versions), -1)
-            out["update_versions"] = np.array(self.update_versions, np.int64).reshape(len(self.update_versions), -1)
+        if any(self.lookup_versions) or any(self.update_versions):
+            width = max(len(row) for row in self.lookup_versions + self.update_versions)
+            for kind in ("lookup_versions", "update_versions"):
+                rows = getattr(self, kind)
+                out[kind] = np.array([row + [-1] * (width - len(row)) for row in rows], np.int64).reshape(len(rows),
+                                                                                                          width)
+            if self.columns:
+                out["columns"] = np.array(self.columns)
         return out
+
+
+def _on_columns(part: dict[str, np.ndarray], columns: list[str]) -> dict[str, np.ndarray]:
+    """`part`'s version rows over `columns` (a superset of its own, -1 where it has none)."""
+    where = [columns.index(str(name)) for name in part["columns"]]
+    for kind in ("lookup_versions", "update_versions"):
+        wide = np.full((len(part[kind]), len(columns)), -1, np.int64)
+        wide[:, where] = part[kind][:, :len(where)]
+        part[kind] = wide
+    return part
 
 
 def joined(timelines: list[Timeline]) -> dict[str, np.ndarray]:
     """One trainer's timelines of several epochs, one after another, each epoch's lookups cut to
     the batches it trained (as many as its updates): a batch looked up at an epoch's end and then
-    skipped, because another trainer had none, was not trained and is no step."""
+    skipped, because another trainer had none, was not trained and is no step. Embedding versions
+    are put over the columns of every epoch."""
     parts = [t.arrays() for t in timelines]
     for part in parts:
         for lookups in ("lookups", "lookup_versions"):
             if lookups in part:
                 part[lookups] = part[lookups][:len(part["updates"])]
+    columns = list(dict.fromkeys(str(name) for p in parts for name in p.get("columns", [])))
+    if columns and all("columns" in p for p in parts):
+        parts = [_on_columns(p, columns) for p in parts]
     names = [name for name in TRACE_KINDS if parts and all(name in p for p in parts)]
-    return {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in
-            names or ("lookups", "updates")}
+    out = {name: np.concatenate([p[name] for p in parts]) if parts else np.empty((0, 2)) for name in
+           names or ("lookups", "updates")}
+    if columns and "lookup_versions" in out:
+        out["columns"] = np.array(columns)
+    return out
 
 
 def missed_steps(trainers: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
@@ -104,6 +149,7 @@ class StalenessTelemetry:
             histogram.add(missed.max(axis=1) if missed.size else np.zeros(len(missed), np.int64))
         if world.leader:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            arrays = {f"{kind}_{rank}": t[kind] for rank, t in enumerate(every) for kind in TRACE_KINDS if kind in t}
+            arrays = {f"{kind}_{rank}": t[kind] for rank, t in enumerate(every) for kind in (*TRACE_KINDS, "columns")
+                      if kind in t}
             np.savez(self.output_dir / self.trace_file, trainers=np.array(len(every)), **arrays)
         return {self.name: histogram.as_dict()}

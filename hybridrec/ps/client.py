@@ -347,12 +347,14 @@ class PSClient:
                 delay = min(2 * delay, 0.2)
 
     def lookup_tables(self, keys_by_table: Mapping[str, np.ndarray], insert: bool = True,
-                      unique: bool = False) -> dict[str, np.ndarray]:
+                      unique: bool = False, versions: dict | None = None) -> dict[str, np.ndarray]:
         """{table: float32 [len(keys), dim] rows in the order of its keys} (absent keys read as zeros).
 
         One request per server carries every table (more only past `max_keys_per_request`
         keys). `unique`: each table's keys are distinct already (a batch layout's), so they are
-        not deduplicated again.
+        not deduplicated again. `versions`, a dict, receives {table: [per server of the routing
+        table, how many updates its store of the table had applied when it read them]}
+        (`_note_versions`).
         """
         tables, unique_keys, inverses = self._dedupe(keys_by_table, unique)
         rows = [np.empty((len(k), self.dim(t)), dtype=np.float32) for t, k in zip(tables, unique_keys)]
@@ -368,9 +370,24 @@ class PSClient:
                     raise ValueError(f"server {address} answered {part_rows.shape} rows of table {tables[t]!r} "
                                      f"for {len(picked)} keys of dim {rows[t].shape[1]}")
                 rows[t][picked] = part_rows
+            self._note_versions(versions, tables, s, parts, reply)
 
         self._routed("lookup_many", tables, unique_keys, {"insert": bool(insert)}, receive)
         return {t: r if inverse is None else r[inverse] for t, r, inverse in zip(tables, rows, inverses)}
+
+    def _note_versions(self, versions: dict | None, tables: list[str], server: int, parts, reply: Message) -> None:
+        """Into `versions` ({table: [per server]}, -1 where not asked), the number a server's
+        lookup_many or push_many reply gives each table of its request: how many updates that
+        table's store had applied when it read the keys, or the update's place in the store's
+        order. A table one server got in two requests (past `max_keys_per_request` keys) has no
+        one number there: -2."""
+        numbers = reply.meta.get("versions")
+        if versions is None or not isinstance(numbers, list) or len(numbers) != len(parts):
+            return
+        for (t, _), number in zip(parts, numbers):
+            row = versions.setdefault(tables[t], [-1] * len(self.routing.addresses))
+            if server < len(row):
+                row[server] = int(number) if row[server] == -1 else -2
 
     def tiered_tables(self) -> list[str]:
         """The tables whose servers keep a disk tier under them (as the first server says)."""
@@ -405,9 +422,12 @@ class PSClient:
         """float32 [len(keys), dim] rows in the order of `keys` (absent keys read as zeros)."""
         return self.lookup_tables({table: keys}, insert)[table]
 
-    def push_tables(self, grads_by_table: Mapping[str, tuple[np.ndarray, np.ndarray]], unique: bool = False) -> int:
+    def push_tables(self, grads_by_table: Mapping[str, tuple[np.ndarray, np.ndarray]], unique: bool = False,
+                    versions: dict | None = None) -> int:
         """Send {table: (keys, grads)} (one row per key; equal keys are summed, unless the caller
-        says the keys are `unique` already); returns dropped updates.
+        says the keys are `unique` already); returns dropped updates. `versions`, a dict,
+        receives per table and server the update's place in the order that server's store of
+        the table applied updates (`_note_versions`).
 
         A dropped update is a key the server no longer holds (evicted or never admitted). Every
         table is checked before anything is sent, and each server checks its whole request
@@ -439,6 +459,7 @@ class PSClient:
 
         def receive(s: int, parts, reply: Message) -> None:
             dropped[0] += int(reply.meta["dropped"])
+            self._note_versions(versions, tables, s, parts, reply)
 
         self._routed("push_many", tables, unique_keys, {}, receive, summed)
         return dropped[0]

@@ -13,9 +13,11 @@ Operations (see `hybridrec.comm.transport` for the wire format):
   lookup      keys uint64[n], meta {table, insert, codec}       -> rows encoded with `codec`
   push        keys uint64[n] + grads encoded with meta codec    -> meta {dropped}
   lookup_many keys.<i> uint64 per table i, meta {tables, insert, codec}
-              -> arrays "<i>.<codec array>" per table, meta {codec, codec_meta: [per table]}
+              -> arrays "<i>.<codec array>" per table, meta {codec, codec_meta: [per table],
+              versions: [per table, the updates its store had applied when it was read]}
   push_many   keys.<i> + "<i>.<codec array>" per table, meta {tables, codec, codec_meta: [...]}
-              -> meta {dropped: total}; every table is checked before any is changed
+              -> meta {dropped: total, versions: [per table, the update's number in its store's
+              order]}; every table is checked before any is changed
   dense_init  {name: float32 array}, meta {optimizer: {name, lr, weight_decay}}
               -> the current value of each name (the first value given for a name wins)
   dense_pull  meta {names}                        -> {name: current value}, meta {version}
@@ -325,11 +327,15 @@ class EmbeddingServer(Service):
             moved = self.ownership.refusal("lookup_many", request.meta["tables"], keys)
             if moved is not None:
                 return moved
+            versions = []
             for i, (store, table_keys) in enumerate(zip(stores, keys)):
-                encoded = codec.encode(store.pull(table_keys, insert=insert))
+                with store.lock:  # the rows and the count of updates they hold, of one instant
+                    rows = store.pull(table_keys, insert=insert)
+                    versions.append(store.step)
+                encoded = codec.encode(rows)
                 reply.update(part_arrays(i, encoded.arrays))
                 codec_meta.append(encoded.meta)
-        return Message("lookup_many", reply, {"codec": codec.name, "codec_meta": codec_meta})
+        return Message("lookup_many", reply, {"codec": codec.name, "codec_meta": codec_meta, "versions": versions})
 
     def _read_ahead(self, request: Message) -> Message:
         """Fault in the disk-tier records that a coming lookup of these keys will touch
@@ -367,10 +373,14 @@ class EmbeddingServer(Service):
             if self.replication.active():  # a key only looked up on a lost primary is made again here
                 for store, k in zip(stores, keys):
                     store.lookup(k, insert=True)
-            dropped = sum(store.push(k, g) for store, k, g in zip(stores, keys, grads))
+            dropped, versions = 0, []
+            for store, k, g in zip(stores, keys, grads):
+                with store.lock:  # the update's number: its store's step count once it is applied
+                    dropped += store.push(k, g)
+                    versions.append(store.step)
             self.replication.forward(tables, keys, pushed)
-            self.replication.applied.remember(pushed, {"dropped": int(dropped)})
-        return Message("push_many", meta={"dropped": int(dropped)})
+            self.replication.applied.remember(pushed, {"dropped": int(dropped), "versions": versions})
+        return Message("push_many", meta={"dropped": int(dropped), "versions": versions})
 
     def _dense_init(self, request: Message) -> Message:
         values = self.dense.init(request.arrays, request.meta.get("optimizer"))

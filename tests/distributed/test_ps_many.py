@@ -219,3 +219,27 @@ def test_serve_ps_config_errors_are_reported(tmp_path, capsys):
     with pytest.raises(SystemExit):
         server_main(["--config", str(QUICKSTART), "--table", "C1:8:100"])
     assert "given twice" in capsys.readouterr().err
+
+
+def test_each_store_numbers_the_updates_it_applied_and_a_lookup_says_how_many_it_held(shard_pairs):
+    """Per table and server: a push_many's reply numbers the update in that store's order, a
+    lookup_many's says how many updates the store had applied when it read the rows (-1: the
+    request did not reach that store). The staleness lab replays a job in these orders."""
+    addresses, _ = shard_pairs
+    pairs = batch(1)
+    with PSClient(addresses) as client:
+        read: dict = {}
+        client.lookup_tables({name: keys for name, (keys, _) in pairs.items()}, versions=read)
+        assert read == {name: [0, 0] for name in TABLES}
+        for number in (1, 2):
+            pushed: dict = {}
+            client.push_tables(pairs, versions=pushed)
+            assert pushed == {name: [number, number] for name in TABLES}
+        key = pairs["user"][0][:1]
+        server = int(client._shard_of("user", key)[0])
+        pushed = {}
+        client.push_tables({"user": (key, np.ones((1, 8), np.float32))}, versions=pushed)
+        assert pushed == {"user": [3 if s == server else -1 for s in range(2)]}
+        read = {}
+        client.lookup_tables({"user": pairs["user"][0]}, versions=read)
+        assert read == {"user": [3 if s == server else 2 for s in range(2)]}

@@ -1,7 +1,9 @@
 """A real job records the staleness of its lookups: final_metrics.json's histogram of the steps of
 every trainer each lookup may have missed (and ps_async's of its dense pulls), and the traces the
 staleness lab replays: the replay reads exactly the job's lookups, its dense copies as the job's
-pulls found them (the PS shards' versions), with the pushes applied in each shard's order."""
+pulls found them (the PS shards' versions), with the pushes applied in each shard's order, and its
+embedding rows as each PS store held them when it served the job's lookup, each store's updates
+applied in that store's order (the stores' numbers)."""
 import json
 
 import torch
@@ -41,6 +43,17 @@ def test_an_async_job_records_its_staleness_and_the_lab_replays_it(tmp_path):
     # every step computed on what its pull read, every shard applied the pushes in its own order
     assert replayed.dense.pushed == plan.order and replayed.dense.reads == plan.reads
     assert 0.5 < replay["auc"] < 1
+    # the embedding side as each PS store (a table on one server) numbered it: every update of both
+    # trainers once in the order of each store it reached, and each lookup replayed on what each
+    # store had applied when it served the job's lookup (unless the job's lookups admit no order
+    # that never takes a store's count back: its two servers answer one lookup at two instants)
+    stores = schedule.embedding_plan()
+    assert stores is not None and {shard for _, shard in stores.columns} == {0, 1}
+    assert all(len(set(order)) == len(order) <= lookups for order in stores.order)
+    assert set().union(*map(set, stores.order)) == {(w, i) for w in range(2) for i in range(lookups // 2)}
+    assert len(stores.reads) == lookups and replayed.embeddings.landed == [len(o) for o in stores.order]
+    if stores.inversions == 0:
+        assert replayed.embeddings.departures == 0 and replayed.embeddings.read_counts == stores.reads
 
 
 def test_a_sync_job_of_two_trainers_looks_up_no_batch_before_both_trainers_updates_of_the_step_before(tmp_path):

@@ -91,3 +91,42 @@ def test_the_shards_versions_are_written_with_the_times_and_cut_as_the_lookups(t
     assert trace["update_versions"][:, 0].tolist() == [1, 2, 3] and len(trace["lookups"]) == 3
     plan = RecordedSchedule([{"lookups": trace["lookups"], "updates": trace["updates"]}], [trace]).dense_plan()
     assert plan.source == "versions" and plan.order[0] == [(0, 0), (0, 1), (0, 2)] and plan.order[1] == []
+
+
+def test_the_embedding_stores_numbers_are_written_per_store_over_every_epochs_columns(tmp_path):
+    """An embedding lookup's and update's numbers come per table and PS server; the trace keeps one
+    column per store ("<table>@<server>"), -1 where a lookup or update did not reach it, over the
+    stores of every epoch (a store first reached in the second epoch too), and the lab reads the
+    stores' orders back from it."""
+    from hybridrec.lab.trace import load_trace
+
+    first, second = _timeline([0, 10], [5, 15]), _timeline([30], [35])
+    first.note_versions("lookup_versions", {"a": [0, 0]})
+    first.note_versions("update_versions", {"a": [1, -1]})  # the first update's keys were all on server 0
+    first.note_versions("lookup_versions", {"a": [1, 0]})
+    first.note_versions("update_versions", {"a": [2, 1]})
+    second.note_versions("lookup_versions", {"b": [0], "a": [2, 1]})
+    second.note_versions("update_versions", {"a": [3, 2], "b": [1]})
+    telemetry = StalenessTelemetry(tmp_path)
+    telemetry.add(first)
+    telemetry.add(second)
+    telemetry.facts(World())
+    trace = load_trace(tmp_path / TRACE_FILE)[0]
+    assert trace["columns"].tolist() == ["a@0", "a@1", "b@0"]
+    assert trace["lookup_versions"].tolist() == [[0, 0, -1], [1, 0, -1], [2, 1, 0]]
+    assert trace["update_versions"].tolist() == [[1, -1, -1], [2, 1, -1], [3, 2, 1]]
+    plan = RecordedSchedule([trace]).embedding_plan()
+    assert plan.columns == [("a", 0), ("a", 1), ("b", 0)]
+    assert plan.order == [[(0, 0), (0, 1), (0, 2)], [(0, 1), (0, 2)], [(0, 2)]]
+    assert plan.reads[0, 2] == {0: 2, 1: 1, 2: 0} and plan.read_order == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_store_numbers_that_skip_an_update_leave_the_replay_to_the_times():
+    """Numbers that do not count a store's updates one after another (another client pushed, or an
+    update went unnumbered) give no order: the replay falls back on midpoints."""
+    t = _timeline([0, 10], [5, 15])
+    t.note_versions("lookup_versions", {"a": [0]})
+    t.note_versions("update_versions", {"a": [1]})
+    t.note_versions("lookup_versions", {"a": [1]})
+    t.note_versions("update_versions", {"a": [3]})
+    assert RecordedSchedule([joined([t])]).embedding_plan() is None

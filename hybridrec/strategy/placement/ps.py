@@ -68,14 +68,16 @@ class _Direct(_Connection):
 
     def lookup(self, layout, train: bool) -> Pulled:
         keys = {table: layout.unique[table] for table in layout.tables()}
-        rows = self.client.lookup_tables(keys, insert=train, unique=True)  # the layout deduplicated them
-        return Pulled("unique", rows, layout.batch_size, layout.num_features, batch_layout=layout)
+        versions: dict = {}
+        rows = self.client.lookup_tables(keys, insert=train, unique=True, versions=versions)  # deduplicated already
+        return Pulled("unique", rows, layout.batch_size, layout.num_features, batch_layout=layout, versions=versions)
 
     def update(self, looked: Pulled, grads: dict) -> dict:
         layout = looked.batch_layout
         pairs = {table: (layout.unique[table], grads[table]) for table in layout.tables()}
+        versions: dict = {}
         try:
-            return {"dropped": self.client.push_tables(pairs, unique=True)}
+            return {"dropped": self.client.push_tables(pairs, unique=True, versions=versions), "versions": versions}
         except TimeoutError:  # a shard died mid-push: not retried, it may have been applied
             return {"unacknowledged": True}
 
