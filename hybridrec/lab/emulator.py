@@ -20,6 +20,11 @@ The three shapes of run:
   pushes, each step on the versions its pull read (`ReplayedDense`);
 * groups (ht, easgd): rounds; within a group its members' reads and writes of the group's copy
   interleave (Hogwild), the copy syncs with the centre every `period` writes.
+
+A recorded job whose PS stores numbered its embedding updates (sync, hybrid, async) is replayed on
+them: each store's share of each update lands in that store's order and each read is made on
+what every store held when it served the job's lookup, the reads in an order no store's count
+falls back in (`ReplayedEmbeddings`, hybridrec.lab.replayed_embeddings).
 """
 from __future__ import annotations
 
@@ -189,14 +194,19 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
             batches.append(following)
         return batches[step]
 
+    reading: set = set()  # planned reads in progress (one the job made out of order never waits for itself)
+
     def read(w: int, step: int) -> None:
         if planned:  # the stores land what the job's lookup read, the rounds it needs trained first
+            reading.add((w, step))
             for earlier in side.due_before(w, step):
-                if earlier[1] >= trained and earlier not in looked and round_of(earlier[1]) is not None:
+                if earlier[1] >= trained and earlier not in looked and earlier not in reading \
+                        and round_of(earlier[1]) is not None:
                     read(*earlier)
             needed = [i for _, i in side.missing(w, step) if i < step]
             if needed:
                 train_through(max(needed))
+            reading.discard((w, step))
             looked[w, step] = side.read(w, step, batches[step][w])
             return
         required = _required(step, bound, workers)
@@ -211,6 +221,8 @@ def _lockstep_in_time(job: _Job, side: SharedEmbeddings, dense: AveragedDense, s
         nonlocal trained
         while (last is None or trained <= last) and round_of(trained) is not None:
             order = schedule.order(range(workers), trained)
+            if any((w, trained) in reading for w in order):
+                return  # a read of this round is being made: the round trains after it
             for w in order:
                 if (w, trained) not in looked:
                     read(w, trained)
@@ -431,7 +443,7 @@ def emulate(cfg: JobConfig, discipline: Discipline, workers: int, schedule: Sche
             raise UserError("het: a recorded schedule replays sync, hybrid and async jobs; HET's caches decide "
                             "themselves what a read sees")
         side = HetCaches(job.placement, job.tables, cfg.strategy.het, discipline.bound, workers, observer)
-    elif schedule.embedding_plan() is not None:
+    elif schedule.embedding_plan() is not None and (discipline.lockstep or name == "async"):  # replayed in time
         side = ReplayedEmbeddings(job.placement, workers, schedule.embedding_plan(), observer)
     else:
         side = SharedEmbeddings(job.placement, workers, observer)
