@@ -62,11 +62,13 @@ def test_pull_and_push_equal_the_local_collection_step_by_step(job):
     sources = build_sources(cfg.data, cfg.seed, with_best_auc=False)
     local = LocalPlacement(cfg, tables, World())
     generator = torch.Generator().manual_seed(0)
+    applied: dict = {}  # (table, PS server) -> the updates its store applied
     for step, batch in zip(range(4), sources.train):
         reference = local.inputs(batch, batch, requires_grad=True)
         deep, wide = reference.deep, reference.wide
         first = client.put(batch.sparse)
-        inputs = EmbeddingInputs.from_pulled(client.pull(first), lambda: tables.layout(batch.sparse),
+        pulled = client.pull(first)
+        inputs = EmbeddingInputs.from_pulled(pulled, lambda: tables.layout(batch.sparse),
                                              tables.deep_dim, requires_grad=True)
         np.testing.assert_allclose(inputs.deep.detach(), deep.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
         np.testing.assert_allclose(inputs.wide.detach(), wide.detach(), rtol=0, atol=1e-6, err_msg=f"step {step}")
@@ -78,7 +80,15 @@ def test_pull_and_push_equal_the_local_collection_step_by_step(job):
         ((deep * grad_deep).sum() + (wide * grad_wide).sum()).backward()  # local optimizers run here
         ((inputs.deep * grad_deep).sum() + (inputs.wide * grad_wide).sum()).backward()
         reply = client.push(first, inputs.gradients())
-        assert reply == {"lost": False, "dropped": 0}
+        assert (reply["lost"], reply["dropped"]) == (False, 0)
+        # each table's store on each PS server reached numbers the updates it applied: the pull read
+        # the step's earlier ones, the push is the next
+        assert set(pulled.versions) == set(reply["versions"]) == set(tables.all_tables())
+        for table, numbers in reply["versions"].items():
+            for server, number in enumerate(numbers):
+                held = applied.get((table, server), 0)
+                assert pulled.versions[table][server] in (-1, held) and number in (-1, held + 1), (table, server)
+                applied[table, server] = max(number, held)
 
 
 def test_unique_rows_carry_each_key_once(job):
