@@ -1,20 +1,19 @@
-"""Reading a coming batch's cold rows ahead: the disk-tier records its lookup will touch, faulted
+"""Reading a coming batch's cold rows ahead: the disk-tier records its lookup will read, faulted
 into the process on a thread of their own while the training thread works on the batch before.
 
-A tiered store's lookup spends its time in page faults on the mapped records file (the records
-of keys it takes back from disk, and the home records of the rows it evicts; after each release of
-the mapping, disk_tier.PAGE_BUDGET, nearly each of them faults). Once a batch's lookup is done
-and its successor is known, `prefault_cold_records` (`EmbeddingStore.read_ahead`) finds, in one
-kernel call over the successor's distinct keys, those absent from memory and perhaps on disk, and
-the rows that will be evicted for the absent ones (the front of each partition's LRU ring, which
-a lookup's update leaves where it is), and writes the always-zero pad column of each of their home
-records: each page comes in writable, through a write fault on this thread, before the lookup
-that reads and writes it. Nothing a lookup reads changes, so results are the same with or without
-it; a guess gone stale (a lookup ran meanwhile) costs only a fault. The kernel reads the index
-and the LRU ring without the store's lock (they may change under it: every row number and slot is
-bounds-checked and every walk bounded), and stops once the lookup it prepares starts: the pages
-it mapped are then those that lookup's release accounts for (disk_tier.end_write), so the RSS
-bound holds with it too.
+A tiered store's lookup writes the rows it evicts at its regions' heads, on pages mapped in
+ahead of the call (disk_tier.begin_write), but reads each row it takes back from disk through a
+page fault on the mapped records file (and, after a release of the mapping,
+disk_tier.PAGE_BUDGET, on the index). Once a batch's lookup is done and its successor is known,
+`prefault_cold_records` (`EmbeddingStore.read_ahead`) finds, in one kernel call over the
+successor's distinct keys, those absent from memory and on disk, and writes the always-zero pad
+column of each one's record: each page comes in writable, through a write fault on this thread,
+before the lookup that reads it. Nothing a lookup reads changes, so results are the same with or
+without it; a guess gone stale (a lookup ran meanwhile) costs only a fault. The kernel reads the
+memory index and the tier's index without the store's lock (they may change under it: every row
+number, slot and record number is bounds-checked and every walk bounded), and stops once the
+lookup it prepares starts: the pages it mapped are then those that lookup's release accounts for
+(disk_tier.end_write), so the RSS bound holds with it too.
 
 `ReadAhead` is the thread: `submit(fn, *args)` hands it the newest job (a job not yet started
 is replaced: only the next batch is worth reading), `close()` stops it.
@@ -27,21 +26,33 @@ import numpy as np
 from numba import njit
 
 from .hashing import index_hash, scale32, scale_hi32
-from .kernels import (IC_META, IC_POLICY, IC_ROW_BITS, M_LOG_AT, POLICY_LRU, PT_LOG_END, PT_LOG_START, PT_LRU_KEPT,
-                      PT_ROW_COUNT, PT_SIZE, PT_SLOT_COUNT, PT_SLOT_START, SC_EPOCH, _row_mask, _tag, _tag_mask,
-                      log_span)
-from .tier_kernels import R_PAD, TP_SLOT_COUNT, TP_SLOT_START, has_tier, maybe_on_disk
+from .kernels import IC_META, IC_ROW_BITS, PT_SLOT_COUNT, PT_SLOT_START, SC_EPOCH, _row_mask, _tag, _tag_mask
+from .tier_kernels import R_PAD, TP_SLOT_COUNT, TP_SLOT_START, X_KEY, X_RECORD, has_tier, maybe_on_disk
 
 _CHECK_EVERY = 64  # keys between two looks at the store's lookup count
 
 
 @njit(inline="always")
-def _prefault(tier, p, h):
-    """Write the pad column (always 0) of the home record, in region p, of a key of hash h."""
-    tparts = tier[3]
+def _prefault(tier, p, key, h):
+    """Write the pad column (always 0) of `key`'s record in region p, if the index has one (a
+    bounded probe: the index may change meanwhile); returns whether it did."""
+    index, tparts = tier[6], tier[3]
+    s0 = tparts[p, TP_SLOT_START]
     ns = tparts[p, TP_SLOT_COUNT]
-    if ns > 0:
-        tier[0][tparts[p, TP_SLOT_START] + scale32(h, ns), R_PAD] = 0
+    s = scale32(h, ns)
+    for _ in range(ns):
+        record = np.int64(index[s0 + s, X_RECORD]) - 1
+        if record < 0:
+            return False
+        if index[s0 + s, X_KEY] == key:
+            if record < tier[0].shape[0]:
+                tier[0][record, R_PAD] = 0
+                return True
+            return False
+        s += 1
+        if s == ns:
+            s = 0
+    return False
 
 
 @njit(cache=True, nogil=True)
@@ -67,21 +78,17 @@ def _in_memory(index, r64, kcol, key, h, s0, ns, row_bits, nrows):
 
 
 @njit(cache=True, nogil=True)
-def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier, lru_log):
-    """Fault in, writable, the home records a lookup of `keys` will touch on the disk tier, in
-    the order it touches them: those of keys absent from memory that may be on disk, then, in
-    each full LRU partition, those of the rows its absent keys will evict (a key given twice is
-    counted twice: a few victims more). Returns the records touched. Stops once the store's
-    next lookup starts."""
+def prefault_cold_records(keys, r64, index, parts, icfg, scalars, tier):
+    """Fault in, writable, the disk-tier records a lookup of `keys` will read: those of keys
+    absent from memory and on disk, in the order it reads them. Returns the records touched.
+    Stops once the store's next lookup starts."""
     if not has_tier(tier):
         return 0
     stale = scalars[SC_EPOCH] + 1
-    meta = icfg[IC_META]
-    kcol = meta // 2
+    kcol = icfg[IC_META] // 2
     row_bits = icfg[IC_ROW_BITS]
     nparts = parts.shape[0]
     nrows = r64.shape[0]
-    absent = np.zeros(nparts, np.int64)
     touched = 0
     for i in range(keys.shape[0]):
         if i % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale:
@@ -91,30 +98,8 @@ def prefault_cold_records(keys, r32, r64, index, parts, icfg, scalars, tier, lru
         p = scale_hi32(h, nparts) if nparts > 1 else 0
         if _in_memory(index, r64, kcol, key, h, parts[p, PT_SLOT_START], parts[p, PT_SLOT_COUNT], row_bits, nrows):
             continue
-        absent[p] += 1
-        if maybe_on_disk(tier, p, key):
-            _prefault(tier, p, h)
+        if maybe_on_disk(tier, p, key) and _prefault(tier, p, key, h):
             touched += 1
-    if icfg[IC_POLICY] != POLICY_LRU:  # an LFU victim is a sampled row: nothing to foresee
-        return touched
-    for p in range(nparts):
-        if parts[p, PT_LRU_KEPT] == 0:  # not full yet: absent keys take unused rows
-            continue
-        victims = parts[p, PT_SIZE] + absent[p] - parts[p, PT_ROW_COUNT]
-        base, ring = log_span(parts, p)
-        i = parts[p, PT_LOG_START]
-        end = parts[p, PT_LOG_END]
-        k = 0
-        for step in range(ring):  # the ring's live entries from its front, as the lookup walks it
-            if k >= victims or i == end or not 0 <= i < ring or (
-                    step % _CHECK_EVERY == 0 and scalars[SC_EPOCH] >= stale):
-                break
-            r = lru_log[base + i]
-            if 0 <= r < nrows and r32[r, meta + M_LOG_AT] == i:
-                _prefault(tier, p, index_hash(r64[r, kcol]))
-                touched += 1
-                k += 1
-            i = i + 1 if i + 1 < ring else 0
     return touched
 
 

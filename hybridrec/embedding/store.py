@@ -346,7 +346,7 @@ class EmbeddingStore:
         epoch = int(self.scalars[S_EPOCH])
         tier = self.disk_tier
         if tier is not None:
-            tier.begin_write()
+            tier.begin_write(n)  # the records a call can write at most: one per key
         if self.nparts == 1:  # the kernel hashes the keys as it dedupes them
             self.scalars[S_DIRTY] = 1
             nuniq, err = K.lookup_serial(keys, self.rows, self.r32, self.r64, self.index, self.parts,
@@ -383,9 +383,9 @@ class EmbeddingStore:
             return self._probe(keys, K.MODE_TRAIN if insert else K.MODE_FIND)
 
     def read_ahead(self, keys: np.ndarray) -> int:
-        """Fault in the disk-tier records a coming lookup of `keys` will read or write (the cold
-        keys' and those of the rows it will evict), from the calling thread, while another
-        thread may use the store, until that lookup starts (read_ahead.py); returns how many.
+        """Fault in the disk-tier records a coming lookup of `keys` will read (its cold keys'),
+        from the calling thread, while another thread may use the store, until that lookup
+        starts (read_ahead.py); returns how many.
         Changes nothing a lookup reads; a store without a tier has nothing to do."""
         if self.disk_tier is None:
             return 0
@@ -393,8 +393,8 @@ class EmbeddingStore:
         with self._ahead_lock:
             if self.disk_tier is None:
                 return 0
-            return int(prefault_cold_records(keys, self.r32, self.r64, self.index, self.parts, self.icfg,
-                                             self.scalars, self._tier, self.lru_log))
+            return int(prefault_cold_records(keys, self.r64, self.index, self.parts, self.icfg,
+                                             self.scalars, self._tier))
 
     def apply(self, lookup: Lookup, grad_unique: np.ndarray) -> int:
         """One optimizer step with the summed gradient of each unique row of `lookup`.

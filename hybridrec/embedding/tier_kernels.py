@@ -1,26 +1,38 @@
-"""Numba kernels of the disk tier: an open-addressing hash table of rows in a file.
+"""Numba kernels of the disk tier: a log of row records in a file and a hash index over it.
 
-The tier's file is one array of fixed-size records, mapped with numpy.memmap; `disk_tier.py` owns
-the file and the mapping, these kernels read and write the records. A record is int32 columns:
-key (uint64, columns 0-1) | used flag | access count | clock | pad | the row's float32 values
-(embedding and optimizer state, as in the memory tier). The records are split in regions, one per
-partition of the memory tier, so that the partitions' threads never write the same region; in a
-region a key's home record is `scale32(index_hash(key), slots)` and collisions probe forward
-(linear probing), with backward-shift deletion and no tombstones.
+The tier has two mapped files, each split in regions, one per partition of the memory tier, so
+that the partitions' threads never write the same region (`disk_tier.py` owns the files and the
+mappings; these kernels read and write them):
 
-Writes keep every record readable at every instant, so a process killed in the middle of one
-(kill -9: the writes already made are in the page cache) leaves at worst a key held twice with
-the same row, or a record off its probe run; `rebuild_regions` (run when the tier's dirty flag
-is found set) repairs both. A record's data is written before its used flag is set, and a moved
-record is complete at its new place before its old place is cleared.
+* the records (`rec32` and its uint64 / float32 views), fixed-size, int32 columns: key (uint64,
+  columns 0-1) | written flag | access count | clock | pad | the row's float32 values (embedding
+  and optimizer state, as in the memory tier). A region's records are a ring written in order:
+  each row written goes to the next free record at or after the region's head, and the head
+  moves past it. So the rows a lookup call evicts land next to one another, on pages the
+  call has mapped in ahead (`disk_tier.begin_write`), instead of one record page per row at
+  random places in the file;
+* the index (uint64 [slots, 2]: key | record number + 1, 0 for an empty entry), an
+  open-addressing hash table per region (linear probing from `scale32(index_hash(key), slots)`,
+  backward-shift deletion, no tombstones), 16 bytes per slot where a record is a row wide.
 
-`tier` below is the tuple (rec32, rec64, recf, tparts, tdirty, seen): the same records as int32,
-uint64 and float32 views, the regions' bookkeeping (int64 [nparts, TP_WIDTH]), one byte per
-chunk of CHUNK_SLOTS records that is set when the chunk changes (incremental checkpoints copy
-only those), and `seen`, a bitmap in memory with one bit set for the hash of every key ever
-written to the tier: a key whose bit is clear was never on disk, so the lookup of a new key
-reads no record (a record read is a page of the file). A store without a tier passes
-`no_tier()`, whose arrays are empty.
+A record is live while the index entry of its key points at it; every other record is free
+(never written, taken back into memory, or an older copy of its key) and the head writes over
+it when it passes. A region's ring has more records than the region's capacity, so the head
+finds a free one within a few steps even with the tier full.
+
+Writes keep the tier readable at every instant, so a process killed in the middle of one (kill -9:
+the writes already made are in the page cache) leaves at worst a key whose index entry is held
+twice (with the same record) or an entry off its probe run; a record is whole before an entry
+points at it, an entry is whole before its record number makes it used, a moved entry is whole
+at its new place before its old place is cleared. `disk_tier.DiskTier.repair` (run when the
+tier's dirty flag is found set) puts every entry whose record holds its key back in place.
+
+`tier` below is the tuple (rec32, rec64, recf, tparts, tdirty, seen, index): the records, the
+regions' bookkeeping (int64 [nparts, TP_WIDTH]), one byte per chunk of CHUNK_SLOTS records that is
+set when a record of the chunk is written or stops being live (incremental checkpoints copy only
+those chunks), `seen`, a bitmap in memory with one bit set for the hash of every key ever written
+to the tier (a key whose bit is clear was never on disk, so the lookup of a new key reads no
+index entry), and the index. A store without a tier passes `no_tier()`, whose arrays are empty.
 """
 import numpy as np
 from numba import njit
@@ -30,11 +42,13 @@ from .hashing import index_hash, scale32, stays_in_run
 R_KEY, R_USED, R_COUNT, R_CLOCK = 0, 2, 3, 4  # int32 columns of a record (the key spans 0-1)
 R_PAD = 5  # always 0 (a read-ahead writes it to fault the record's page in writable: read_ahead.py)
 R_ROW = 6  # first float32 column of the row
+X_KEY, X_RECORD = 0, 1  # uint64 columns of an index entry (X_RECORD: record number + 1; 0: empty)
 # tparts[p, *]
-TP_SLOT_START, TP_SLOT_COUNT, TP_SIZE, TP_CAPACITY = 0, 1, 2, 3
+TP_SLOT_START, TP_SLOT_COUNT, TP_SIZE, TP_CAPACITY = 0, 1, 2, 3  # index slots of the region, live rows, most rows
 TP_SPILLED, TP_PROMOTED, TP_DROPPED, TP_LOOKUPS, TP_HITS = 4, 5, 6, 7, 8
-TP_WIDTH = 12
-LOAD_FACTOR = 0.75  # at most this many rows per record slot of a region
+TP_LOG_START, TP_LOG_COUNT, TP_HEAD = 9, 10, 11  # the region's records, and where the next write looks first
+TP_WIDTH = 16
+LOAD_FACTOR = 0.75  # at most this many rows per index slot, and per record, of a region
 CHUNK_SLOTS = 1 << 12  # records per chunk of the dirty map (and per file of a checkpoint's tier)
 
 
@@ -48,7 +62,8 @@ def record_width(row_width: int) -> int:
 def no_tier():
     """The `tier` argument of a store without a disk tier (callable from kernels too)."""
     return (np.empty((0, 2), np.int32), np.empty((0, 1), np.uint64), np.empty((0, 2), np.float32),
-            np.empty((0, TP_WIDTH), np.int64), np.empty(0, np.uint8), np.empty(0, np.uint64))
+            np.empty((0, TP_WIDTH), np.int64), np.empty(0, np.uint8), np.empty(0, np.uint64),
+            np.empty((0, 2), np.uint64))
 
 
 def seen_words(capacity_rows: int, nparts: int) -> int:
@@ -86,11 +101,11 @@ def _note_seen(tier, p, key):
 @njit(cache=True, nogil=True)
 def fill_seen(tier):
     """Set the `seen` bit of every key on the tier (when it is opened again)."""
-    rec32, rec64, tparts = tier[0], tier[1], tier[3]
+    index, tparts = tier[6], tier[3]
     for p in range(tparts.shape[0]):
         for s in range(tparts[p, TP_SLOT_START], tparts[p, TP_SLOT_START] + tparts[p, TP_SLOT_COUNT]):
-            if rec32[s, R_USED] != 0:
-                _note_seen(tier, p, rec64[s, 0])
+            if index[s, X_RECORD] != 0:
+                _note_seen(tier, p, index[s, X_KEY])
 
 
 @njit(inline="always")
@@ -99,82 +114,124 @@ def has_tier(tier):
 
 
 @njit(inline="always")
-def _first_touch(rec32, slot):
+def _mark(tier, slot):
+    tier[4][slot // CHUNK_SLOTS] = 1
+
+
+@njit(inline="always")
+def _first_touch(rec32, record):
     """Write the pad column (always 0) of a record before reading it: if its page is not mapped,
-    the write fault maps that page alone, writable, where a read fault would map up to 16
-    cached pages around it (the kernel's fault-around), each counting in the RSS, and the write
-    that follows would fault again."""
-    rec32[slot, R_PAD] = 0
+    the write fault maps that page alone, writable, where a read fault would map up to 16 cached
+    pages around it (the kernel's fault-around) and the write that follows would fault again."""
+    rec32[record, R_PAD] = 0
 
 
 @njit(cache=True, nogil=True)
 def tier_find(tier, p, key, h):
-    """Record slot of `key` in region p, or -1."""
-    rec32, rec64 = tier[0], tier[1]
+    """Index slot of `key`'s entry in region p (its record: `index[slot, X_RECORD] - 1`), or -1."""
+    index = tier[6]
     s0 = tier[3][p, TP_SLOT_START]
     ns = tier[3][p, TP_SLOT_COUNT]
     s = scale32(h, ns)
-    _first_touch(rec32, s0 + s)
     while True:
-        if rec32[s0 + s, R_USED] == 0:
+        if index[s0 + s, X_RECORD] == 0:
             return np.int64(-1)
-        if rec64[s0 + s, 0] == key:
+        if index[s0 + s, X_KEY] == key:
             return s0 + s
         s += 1
         if s == ns:
             s = 0
 
 
-@njit(inline="always")
-def _mark(tier, slot):
-    tier[4][slot // CHUNK_SLOTS] = 1
-
-
 @njit(cache=True, nogil=True)
-def _copy_record(rec32, src, dst):
-    """Record src into slot dst, its used flag last."""
-    for j in range(rec32.shape[1]):
-        if j != R_USED:
-            rec32[dst, j] = rec32[src, j]
-    rec32[dst, R_USED] = 1
-
-
-@njit(cache=True, nogil=True)
-def _delete(tier, p, slot):
-    """Free `slot` of region p, shifting later records of its run back (no tombstones). A moved
-    record is whole at its new place before its old place is freed."""
-    rec32, rec64 = tier[0], tier[1]
+def _index_insert(tier, p, key, h, record):
+    """An entry for `key` (not in the index) pointing at `record`: its key first, then the record
+    number that makes it used."""
+    index = tier[6]
     s0 = tier[3][p, TP_SLOT_START]
     ns = tier[3][p, TP_SLOT_COUNT]
-    rec32[slot, R_USED] = 0
-    _mark(tier, slot)
+    s = scale32(h, ns)
+    while index[s0 + s, X_RECORD] != 0:
+        s += 1
+        if s == ns:
+            s = 0
+    index[s0 + s, X_KEY] = key
+    index[s0 + s, X_RECORD] = np.uint64(record + 1)
+
+
+@njit(cache=True, nogil=True)
+def _index_delete(tier, p, slot):
+    """Free index `slot` of region p, shifting later entries of its run back (no tombstones). A
+    moved entry is whole at its new place before its old place is freed."""
+    index = tier[6]
+    s0 = tier[3][p, TP_SLOT_START]
+    ns = tier[3][p, TP_SLOT_COUNT]
+    index[slot, X_RECORD] = 0
     hole = slot - s0
     j = hole
     while True:
         j += 1
         if j == ns:
             j = 0
-        if rec32[s0 + j, R_USED] == 0:
+        if index[s0 + j, X_RECORD] == 0:
             break
-        if stays_in_run(scale32(index_hash(rec64[s0 + j, 0]), ns), hole, j, ns):
+        if stays_in_run(scale32(index_hash(index[s0 + j, X_KEY]), ns), hole, j, ns):
             continue
-        _copy_record(rec32, s0 + j, s0 + hole)
-        rec32[s0 + j, R_USED] = 0
-        _mark(tier, s0 + hole)
-        _mark(tier, s0 + j)
+        index[s0 + hole, X_KEY] = index[s0 + j, X_KEY]
+        index[s0 + hole, X_RECORD] = index[s0 + j, X_RECORD]
+        index[s0 + j, X_RECORD] = 0
         hole = j
 
 
 @njit(cache=True, nogil=True)
+def _region_of(tparts, n, start):
+    """The region whose records (start = TP_LOG_START) or index slots (TP_SLOT_START) hold
+    number n, or -1."""
+    for p in range(tparts.shape[0]):
+        if tparts[p, start] <= n < tparts[p, start] + tparts[p, start + 1]:
+            return p
+    return -1
+
+
+@njit(inline="always")
+def _live(tier, p, record, key, written):
+    """Whether `record` of region p, holding `key` (if `written`), is the live copy of its key."""
+    if written == 0:
+        return False
+    at = tier_find(tier, p, key, index_hash(key))
+    return at >= 0 and tier[6][at, X_RECORD] == np.uint64(record + 1)
+
+
+@njit(cache=True, nogil=True)
+def _next_free(tier, p):
+    """The first free record of region p at or after its head; the head moves past it. There is
+    one: a region holds more records than rows (TP_CAPACITY)."""
+    rec32, rec64, tparts = tier[0], tier[1], tier[3]
+    start = tparts[p, TP_LOG_START]
+    count = tparts[p, TP_LOG_COUNT]
+    head = tparts[p, TP_HEAD]
+    for _ in range(count):
+        record = start + head
+        head = head + 1 if head + 1 < count else 0
+        _first_touch(rec32, record)  # the record is read, then (mostly) written
+        if not _live(tier, p, record, rec64[record, 0], rec32[record, R_USED]):
+            tparts[p, TP_HEAD] = head
+            return record
+    return np.int64(-1)
+
+
+@njit(cache=True, nogil=True)
 def tier_take(tier, p, slot, rows, r, r32, meta, m_count, m_clock):
-    """Move the record at `slot` of region p into memory row r (its values, access count and
-    clock) and free the record: the row's next pull found it on disk."""
+    """Move the row of index `slot` (tier_find) of region p into memory row r (its values, access
+    count and clock) and free its record: the row's next pull found it on disk."""
     rec32, recf = tier[0], tier[2]
+    record = np.int64(tier[6][slot, X_RECORD]) - 1
     for j in range(rows.shape[1]):
-        rows[r, j] = recf[slot, R_ROW + j]
-    r32[r, meta + m_count] = rec32[slot, R_COUNT]
-    r32[r, meta + m_clock] = rec32[slot, R_CLOCK]
-    _delete(tier, p, slot)
+        rows[r, j] = recf[record, R_ROW + j]
+    r32[r, meta + m_count] = rec32[record, R_COUNT]
+    r32[r, meta + m_clock] = rec32[record, R_CLOCK]
+    _index_delete(tier, p, slot)
+    _mark(tier, record)
     tier[3][p, TP_SIZE] -= 1
     tier[3][p, TP_PROMOTED] += 1
 
@@ -182,31 +239,28 @@ def tier_take(tier, p, slot, rows, r, r32, meta, m_count, m_clock):
 @njit(cache=True, nogil=True)
 def _write(tier, p, key, rows, i, count, clock):
     """Write rows[i] with its count and clock as `key`'s record in region p, replacing an older
-    copy of the key; False (nothing written) when it would be a new record of a full region."""
+    copy of the key; False (nothing written) when it would be a new row of a full region."""
     rec32, rec64, recf, tparts = tier[0], tier[1], tier[2], tier[3]
-    s0 = tparts[p, TP_SLOT_START]
-    ns = tparts[p, TP_SLOT_COUNT]
-    s = scale32(index_hash(key), ns)
-    _first_touch(rec32, s0 + s)
-    while rec32[s0 + s, R_USED] != 0 and rec64[s0 + s, 0] != key:
-        s += 1
-        if s == ns:
-            s = 0
-    slot = s0 + s
-    fresh = rec32[slot, R_USED] == 0
-    if fresh and tparts[p, TP_SIZE] >= tparts[p, TP_CAPACITY]:
+    h = index_hash(key)
+    at = tier_find(tier, p, key, h) if maybe_on_disk(tier, p, key) else np.int64(-1)
+    if at < 0 and tparts[p, TP_SIZE] >= tparts[p, TP_CAPACITY]:
         return False
-    rec32[slot, R_USED] = 0  # an older copy is unused while rewritten: no half-row is ever read
-    rec64[slot, 0] = key
-    rec32[slot, R_COUNT] = count
-    rec32[slot, R_CLOCK] = clock
+    record = _next_free(tier, p)
+    rec32[record, R_USED] = 0  # a free record: no entry points at it while it is rewritten
+    rec64[record, 0] = key
+    rec32[record, R_COUNT] = count
+    rec32[record, R_CLOCK] = clock
     for j in range(rows.shape[1]):
-        recf[slot, R_ROW + j] = rows[i, j]
-    rec32[slot, R_USED] = 1
-    _mark(tier, slot)
-    _note_seen(tier, p, key)
-    if fresh:
+        recf[record, R_ROW + j] = rows[i, j]
+    rec32[record, R_USED] = 1
+    _mark(tier, record)
+    if at >= 0:  # the entry moves to the new copy in one store; the old record is free from then on
+        _mark(tier, np.int64(tier[6][at, X_RECORD]) - 1)
+        tier[6][at, X_RECORD] = np.uint64(record + 1)
+    else:
+        _index_insert(tier, p, key, h, record)
         tparts[p, TP_SIZE] += 1
+    _note_seen(tier, p, key)
     return True
 
 
@@ -221,13 +275,18 @@ def tier_put(tier, p, key, rows, r, r32, meta, m_count, m_clock):
 
 
 @njit(cache=True, nogil=True)
-def gather_used(rec32, lo, hi, out_slots):
-    """Slots in [lo, hi) whose record is used, into out_slots; returns how many."""
+def live_in(tier, records, first):
+    """Clear the written flag of every record of `records` (a copy of the file's records from
+    record number `first` on) that is not the live copy of its key; returns how many stay."""
     n = 0
-    for s in range(lo, hi):
-        if rec32[s, R_USED] != 0:
-            out_slots[n] = s
+    for i in range(records.shape[0]):
+        record = first + i
+        p = _region_of(tier[3], record, TP_LOG_START)
+        key = (np.uint64(np.uint32(records[i, R_KEY + 1])) << np.uint64(32)) | np.uint64(np.uint32(records[i, R_KEY]))
+        if p >= 0 and _live(tier, p, record, key, records[i, R_USED]):
             n += 1
+        else:
+            records[i, R_USED] = 0
     return n
 
 
@@ -244,13 +303,41 @@ def insert_records(tier, parts_of_keys, keys, rows, counts, clocks):
 
 @njit(cache=True, nogil=True)
 def remove_keys(tier, parts_of_keys, keys):
-    """Free the records of `keys` (those present); returns how many were freed."""
+    """Free the rows of `keys` (those present); returns how many were freed."""
     freed = 0
     for i in range(keys.shape[0]):
         p = parts_of_keys[i]
         slot = tier_find(tier, p, keys[i], index_hash(keys[i]))
         if slot >= 0:
-            _delete(tier, p, slot)
+            _mark(tier, np.int64(tier[6][slot, X_RECORD]) - 1)
+            _index_delete(tier, p, slot)
             tier[3][p, TP_SIZE] -= 1
             freed += 1
     return freed
+
+
+@njit(cache=True, nogil=True)
+def reindex(tier, old_index, first):
+    """Put back the entries of `old_index` (index slots from `first` on, of a tier whose writer
+    died mid-write) whose record holds their key, once per key, into the cleared index; returns
+    the entries kept."""
+    rec32, rec64, tparts = tier[0], tier[1], tier[3]
+    kept = 0
+    for i in range(old_index.shape[0]):
+        if old_index[i, X_RECORD] == 0:
+            continue
+        p = _region_of(tparts, first + i, TP_SLOT_START)
+        key = old_index[i, X_KEY]
+        record = np.int64(old_index[i, X_RECORD]) - 1
+        if p < 0 or _region_of(tparts, record, TP_LOG_START) != p:
+            continue
+        if rec32[record, R_USED] == 0 or rec64[record, 0] != key:
+            continue
+        h = index_hash(key)
+        if tier_find(tier, p, key, h) >= 0:  # held twice mid-shift: both entries name the same record
+            continue
+        _index_insert(tier, p, key, h, record)
+        _mark(tier, record)
+        tparts[p, TP_SIZE] += 1
+        kept += 1
+    return kept

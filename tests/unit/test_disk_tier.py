@@ -27,8 +27,8 @@ def _stream(steps, seed=0, universe=3000, batch=128):
         yield keys, rng.normal(size=(batch, DIM)).astype(np.float32)
 
 
-def _train(store, steps, seed=0, batch=128):
-    for keys, grads in _stream(steps, seed, batch=batch):
+def _train(store, steps, seed=0, batch=128, universe=3000):
+    for keys, grads in _stream(steps, seed, universe, batch):
         store.pull(keys)
         assert store.push(keys, grads) == 0
 
@@ -49,14 +49,17 @@ def _tiered(tmp_path, capacity=256, threads=1, name="tier", optimizer="adam", ti
                           tier={"path": str(tmp_path / name), "capacity_rows": tier_rows})
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_survives_eviction_to_disk_bit_for_bit(tmp_path, threads):
-    tiered = _tiered(tmp_path, threads=threads)
+@pytest.mark.parametrize("threads, steps, tier_rows", [(1, 40, 4000), (2, 40, 4000), (1, 80, 3000)])
+def test_every_row_survives_eviction_to_disk_bit_for_bit(tmp_path, threads, steps, tier_rows):
+    """The third case writes the tier's records over twice: each region's head passes the rows
+    still live on disk and writes over the free records between them."""
+    tiered = _tiered(tmp_path, threads=threads, tier_rows=tier_rows)
     in_memory = EmbeddingStore(dim=DIM, capacity=4000, optimizer="adam", num_threads=threads)
-    _train(tiered, 40)
-    _train(in_memory, 40)
+    _train(tiered, steps)
+    _train(in_memory, steps)
     stats = tiered.stats()
     assert stats["evicted"] > 1000 and stats["rows_on_disk"] > 1000 and stats["disk_dropped"] == 0
+    assert stats["spilled"] > (2 * tiered.disk_tier.slots if steps > 40 else 0)
     assert stats["rows_in_memory"] + stats["rows_on_disk"] == len(in_memory)
     _assert_same_rows(tiered.export(), in_memory.export())  # weights, optimizer state, counts, clocks
     keys = in_memory.keys()
@@ -67,20 +70,20 @@ def test_every_row_survives_eviction_to_disk_bit_for_bit(tmp_path, threads):
 
 def test_checkpoint_carries_the_tier_incrementally_and_reshards(tmp_path):
     store = _tiered(tmp_path, optimizer="adagrad", tier_rows=40_000)
-    _train(store, 30)
+    _train(store, 100, universe=20_000)  # about 12,500 rows written to the tier: 4 chunks of its records
     first = store.save(tmp_path / "ck1")
-    _train(store, 1, seed=1, batch=4)  # a few rows: most chunks of the tier unchanged
+    _train(store, 1, seed=1, batch=4, universe=20_000)  # a few rows: most chunks of the tier unchanged
     second = store.save(tmp_path / "ck2")
     chunks = sorted((second / "tier").iterdir())
     linked = [c for c in chunks if os.stat(c).st_ino == os.stat(first / "tier" / c.name).st_ino]
     assert 0 < len(linked) < len(chunks)  # unchanged chunks are links to the last checkpoint's files
     want = store.export()
 
-    loaded = EmbeddingStore.load(second, tier={"path": str(tmp_path / "other"), "capacity_rows": 4000}, capacity=300)
+    loaded = EmbeddingStore.load(second, tier={"path": str(tmp_path / "other"), "capacity_rows": 12_000}, capacity=300)
     _assert_same_rows(loaded.export(), want)
-    in_memory = EmbeddingStore.load(second, capacity=4000)  # no tier: every row in memory
+    in_memory = EmbeddingStore.load(second, capacity=12_000)  # no tier: every row in memory
     _assert_same_rows(in_memory.export(), want)
-    shards = [load_resharded([second], s, 2, capacity=4000) for s in range(2)]
+    shards = [load_resharded([second], s, 2, capacity=12_000) for s in range(2)]
     merged = {k: np.concatenate([s.export()[k] for s in shards]) for k in want}
     _assert_same_rows(merged, want)
     store.close()
@@ -169,4 +172,26 @@ def test_kill_during_a_tier_write_then_load_the_last_checkpoint(tmp_path):
     keys = reopened.export()["keys"]
     assert len(keys) == len(np.unique(keys)) > 1000
     assert np.isfinite(reopened.pull(keys[:200], insert=False)).all()
+    reopened.close()
+
+
+def test_a_tier_left_mid_write_is_reindexed_with_every_row_once(tmp_path):
+    store = _tiered(tmp_path, optimizer="adagrad")
+    _train(store, 40)
+    on_disk = [np.concatenate(column) for column in zip(*store.disk_tier.chunks())]
+    want = dict(zip(("keys", "rows", "counts", "clocks"), on_disk))
+    store.close()
+    regions = np.memmap(tmp_path / "tier" / "regions.bin", np.int64, "r+")
+    regions[1] = 1  # the dirty flag: as if the process had died inside a write
+    index = np.memmap(tmp_path / "tier" / "index.bin", np.uint64, "r+").reshape(-1, 2)
+    used, free = np.flatnonzero(index[:, 1]), np.flatnonzero(index[:, 1] == 0)
+    index[free[-1]] = index[used[0]]  # an entry moved off its probe run, past empty slots
+    index[used[0]] = 0
+    index[free[-2]] = index[used[1]]  # an entry held twice (a shift cut short)
+    regions.flush(), index.flush()
+    del regions, index
+    reopened = _tiered(tmp_path, optimizer="adagrad")
+    got = reopened.export()  # the memory tier is new and empty: every row comes from the disk tier
+    _assert_same_rows({"keys": got["keys"], "rows": np.hstack([got["weights"], got["state"]]),
+                       "counts": got["counts"], "clocks": got["clocks"]}, want)
     reopened.close()
