@@ -63,19 +63,27 @@ def partitions_of(keys, nparts, out):
         out[i] = scale_hi32(index_hash(keys[i]), nparts) if nparts > 1 else 0
 
 
-def file_pages_bytes() -> int:
-    """Bytes of file pages mapped into this process (RssFile): the disk tiers' records and the
-    program's own files; read once per lookup call. statm's shared pages (RssFile + RssShmem) are
-    read first, a few microseconds: while they are under the budget, so is RssFile."""
-    with open("/proc/self/statm", "rb") as fh:
-        shared = int(fh.read().split()[2]) * mmap.PAGESIZE
-    if shared <= PAGE_BUDGET:
-        return shared
-    with open("/proc/self/status", "rb") as fh:
-        for line in fh:
+class FilePages:
+    """The pages this process maps, read once per lookup call: statm's shared pages (RssFile +
+    RssShmem) through a file kept open (about a microsecond), and RssFile alone from
+    /proc/self/status (tens of microseconds), read only when the first says a release may be due."""
+
+    def __init__(self):
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+
+    def shared(self) -> int:
+        return int(os.pread(self._statm, 256, 0).split()[2]) * mmap.PAGESIZE
+
+    def file(self) -> int:
+        for line in os.pread(self._status, 8192, 0).splitlines():
             if line.startswith(b"RssFile:"):
                 return int(line.split()[1]) * 1024
-    return shared
+        return self.shared()
+
+    def close(self) -> None:
+        os.close(self._statm)
+        os.close(self._status)
 
 
 def table_tier_path(root, table: str) -> str:
@@ -110,6 +118,7 @@ class DiskTier:
         self.width = T.record_width(row_width)
         self._mapped = 0  # record and index pages mapped after the last lookup call
         self._populate = True  # whether madvise(MADV_POPULATE_WRITE) works here
+        self._ready = [-1] * self.nparts  # each region's records mapped in writable up to here (-1: none known)
         caps = _region_sizes(self.capacity_rows, self.nparts)
         slots = np.array([math.ceil(c / T.LOAD_FACTOR) + 1 for c in caps], np.int64)
         self.slots = int(slots.sum())  # records, and index slots alike
@@ -156,7 +165,8 @@ class DiskTier:
         if existed and not self.needs_repair:  # (a repair re-indexes every row, noting it)
             T.fill_seen(self.tier)
             self.release_pages()
-        self._file_base = file_pages_bytes()  # the process's file pages before the tier's are mapped in
+        self._pages = FilePages()  # the process's file pages before the tier's are mapped in:
+        self._shared_base, self._file_base = self._pages.shared(), self._pages.file()
         self._saved: dict[int, tuple[str, int]] = {}  # chunk -> (file in saved/, crc32) of the last save
         self._saved_dir = self.path / "saved"
         if self._saved_dir.exists():  # left by an earlier process: what it links is unknown here
@@ -205,16 +215,24 @@ class DiskTier:
         """Mark the tier as being written (if the process dies before `end_write`, the next open
         repairs it: `repair`), and map in, writable, the records at each region's head that the
         next `appends` rows written there take (one madvise per region instead of a page fault
-        per page in the kernel)."""
+        per page in the kernel; none for records mapped in by an earlier call and still mapped)."""
         self.header[H_DIRTY] = 1
-        if appends > 0 and self._populate:
-            record_bytes = self.width * 4
-            for p in range(self.nparts):
-                start, count, head = (int(self.tparts[p, c]) for c in (T.TP_LOG_START, T.TP_LOG_COUNT, T.TP_HEAD))
-                n = min(appends, count)
-                self._populate_records(start + head, min(n, count - head), record_bytes)
-                if head + n > count:  # the ring wraps
-                    self._populate_records(start, head + n - count, record_bytes)
+        if appends <= 0 or not self._populate:
+            return
+        record_bytes = self.width * 4
+        for p in range(self.nparts):
+            start, count, head = (int(self.tparts[p, c]) for c in (T.TP_LOG_START, T.TP_LOG_COUNT, T.TP_HEAD))
+            end = head + min(appends, count)
+            ready = self._ready[p]
+            if end <= count:
+                lo = ready if head <= ready < end else head
+                if ready < end:
+                    self._populate_records(start + lo, end - lo, record_bytes)
+                    self._ready[p] = end
+            else:  # the ring wraps
+                self._populate_records(start + head, count - head, record_bytes)
+                self._populate_records(start, end - count, record_bytes)
+                self._ready[p] = -1
 
     def _populate_records(self, first: int, n: int, record_bytes: int) -> None:
         lo = first * record_bytes // mmap.PAGESIZE * mmap.PAGESIZE
@@ -226,23 +244,31 @@ class DiskTier:
 
     def end_write(self) -> None:
         self.header[H_DIRTY] = 0
-        mapped = file_pages_bytes() - self._file_base
         # the next call is taken to map as many pages as this one did: the pages are released
-        # now if together they would pass the bound, so that the mapping stays under it
+        # now if together they would pass the bound, so that the mapping stays under it. The
+        # shared pages grow at least as much as the file pages: while they say no release is
+        # due, none is
+        mapped = self._pages.shared() - self._shared_base
         if 2 * mapped - self._mapped > PAGE_BUDGET:
-            self._records.madvise(mmap.MADV_DONTNEED)
-            mapped = file_pages_bytes() - self._file_base  # the index's pages
-            if mapped > PAGE_BUDGET * 3 // 4:  # they would leave the records a quarter of the bound or less
-                self._index.madvise(mmap.MADV_DONTNEED)
-                mapped = 0
+            mapped = self._pages.file() - self._file_base
+            if 2 * mapped - self._mapped > PAGE_BUDGET:
+                self._release_records()
+                mapped = self._pages.file() - self._file_base  # the index's pages
+                if mapped > PAGE_BUDGET * 3 // 4:  # they would leave the records a quarter of the bound or less
+                    self._index.madvise(mmap.MADV_DONTNEED)
+                    mapped = 0
         self._mapped = max(mapped, 0)
 
     def release_pages(self) -> None:
         """Drop the records' and the index's pages from this process's mapping (they stay in the
         files and the page cache), so that the tiers' share of the RSS stays under PAGE_BUDGET."""
-        self._records.madvise(mmap.MADV_DONTNEED)
+        self._release_records()
         self._index.madvise(mmap.MADV_DONTNEED)
         self._mapped = 0
+
+    def _release_records(self) -> None:
+        self._records.madvise(mmap.MADV_DONTNEED)
+        self._ready = [-1] * self.nparts
 
     def repair(self, memory_keys: np.ndarray) -> None:
         """Make the index valid again after a process died while writing the tier: put back every
@@ -377,6 +403,7 @@ class DiskTier:
         self._index.flush()
         self._regions.flush()
         os.close(self._records_fd)
+        self._pages.close()
         self.tier = self.rec32 = self.rec64 = self.recf = self.index = self.header = self.tparts = self.seen = None
         self._unlock()
 

@@ -226,6 +226,7 @@ def tier_take(tier, p, slot, rows, r, r32, meta, m_count, m_clock):
     count and clock) and free its record: the row's next pull found it on disk."""
     rec32, recf = tier[0], tier[2]
     record = np.int64(tier[6][slot, X_RECORD]) - 1
+    _first_touch(rec32, record)  # one page mapped, not the 16 around it that a read fault maps
     for j in range(rows.shape[1]):
         rows[r, j] = recf[record, R_ROW + j]
     r32[r, meta + m_count] = rec32[record, R_COUNT]
