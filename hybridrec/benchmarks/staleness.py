@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disciplines", default="hybrid,async,het,ssp,ht",
                    help="besides sync: any of hybrid, async, het, ssp, ht, easgd (default hybrid,async,het,ssp,ht)")
     p.add_argument("--groups", type=_groups, default=[1, 2, 4, "W"], help="ht's group counts, default 1,2,4,W")
+    p.add_argument("--ht-taus", type=_ints, default=None,
+                   help="the bounds of --taus ht runs at (default: all); its own axis is G, its embeddings are hybrid's")
     p.add_argument("--tau-dense", type=int, default=1, help="async: steps of every worker the dense copy may miss")
     p.add_argument("--visibility", type=float, default=0.0,
                    help="chance a read sees each update beyond the required ones (0: the bound's worst case)")
@@ -237,6 +239,8 @@ def specs(args, workers: int) -> list[str]:
     for tau in args.taus:
         for name in names:
             if name == "ht":
+                if args.ht_taus is not None and tau not in args.ht_taus:
+                    continue
                 for g in args.groups:
                     groups = workers if g == "W" else g
                     if groups <= workers and workers % groups == 0:
@@ -247,7 +251,7 @@ def specs(args, workers: int) -> list[str]:
                 continue
             else:
                 out.append(f"{name}:tau={tau}")
-    return out
+    return list(dict.fromkeys(out))  # ht's G=4 and G=W are one run at W=4
 
 
 def tuned_scales(args, log: RunLog) -> dict[int, tuple[float, float]]:
@@ -376,10 +380,11 @@ def _claims_curves(report: dict, scale: str | None) -> list[dict]:
             and r["discipline"] in CURVE_COLOURS and (scale is None or rates(r) == scale)]
 
 
-def curve_gaps(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Per discipline, (samples seen, median over seeds of its curve AUC minus sync's) at the curve
-    points where the sync run of the same seed was evaluated within 2% of the same samples."""
-    sync = {r["seed"]: r["curve"] for r in runs if r["discipline"] == "sync"}
+def curve_gaps(runs: list[dict], name=lambda run: run["discipline"]) -> dict[str, list[tuple[int, float]]]:
+    """Per `name(run)` (default: the discipline), (samples seen, median over seeds of its curve AUC
+    minus sync's) at the curve points where the sync run of the same seed was evaluated within 2%
+    of the same samples."""
+    sync = {r["seed"]: r["curve"] for r in runs if r["discipline"] == "sync" and r["curve"]}
     points: dict[str, dict[int, list[float]]] = {}
     for r in runs:
         if r["discipline"] == "sync" or r["seed"] not in sync:
@@ -387,13 +392,70 @@ def curve_gaps(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
         for point in r["curve"]:
             near = min(sync[r["seed"]], key=lambda p: abs(p["samples"] - point["samples"]))
             if abs(near["samples"] - point["samples"]) <= 0.02 * point["samples"]:
-                points.setdefault(r["discipline"], {}).setdefault(near["samples"], []).append(
-                    point["auc"] - near["auc"])
-    return {name: sorted((samples, statistics.median(gaps)) for samples, gaps in by.items())
-            for name, by in points.items()}
+                points.setdefault(name(r), {}).setdefault(near["samples"], []).append(point["auc"] - near["auc"])
+    return {key: sorted((samples, statistics.median(gaps)) for samples, gaps in by.items())
+            for key, by in points.items()}
+
+
+def series_name(label: str) -> str:
+    """A run's line in the sweep's plots: its discipline, with G for ht ("ht G=2")."""
+    name = label.split(":")[0]
+    return name + (f" G={label.split('groups=')[1].split(',')[0]}" if name == "ht" else "")
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    """One row per W: left, the median gap to sync against tau (s for het, ssp) per discipline
+    (ht per G); right, at the tau nearest the claims' (4), the median over seeds of each
+    discipline's curve AUC minus sync's against samples seen."""
+    scale = report["claims"].get("rates") if report.get("claims") else None
+    runs = [r for r in report["runs"] if scale is None or rates(r) == scale]
+    workers = sorted({r["workers"] for r in runs})
+    names = sorted({series_name(r["label"]) for r in runs if r["discipline"] != "sync"})
+    colour = {name: f"C{i % 10}" if i < 10 else "black" for i, name in enumerate(names)}
+    with png_figure(path, len(workers), 2, figsize=(13, 4 * len(workers)), squeeze=False) as (figure, axes):
+        for row, w in enumerate(workers):
+            series: dict[str, list] = {}
+            for c in report["cells"]:
+                if c["workers"] == w and c["discipline"] != "sync" and c["gap_pct"] is not None \
+                        and (scale is None or c["rates"] == scale):
+                    series.setdefault(series_name(c["label"]), []).append((c["tau"], c["gap_pct"]))
+            left, right = axes[row]
+            for name, points in sorted(series.items()):
+                points.sort()
+                left.plot([max(t, 0.5) for t, _ in points], [g for _, g in points], marker="o", color=colour[name],
+                          label=name)
+            left.set_xscale("log", base=2)
+            left.axhline(-HYBRID_TARGET_PCT, color="grey", linestyle=":")
+            left.axhline(0.0, color="grey", linewidth=0.5)
+            left.set_xlabel("tau (s for het, ssp)")
+            left.set_ylabel(f"test AUC gap to sync, % (W={w})")
+            left.legend(fontsize=7, ncol=2)
+            left.grid(alpha=0.3)
+            taus = sorted({r["tau"] for r in runs if r["workers"] == w and r["discipline"] != "sync"})
+            tau = min(taus, key=lambda t: abs(t - CLAIM_TAU)) if taus else None
+            at = [r for r in runs if r["workers"] == w and (r["discipline"] == "sync" or r["tau"] == tau)]
+            for name, points in sorted(curve_gaps(at, lambda r: series_name(r["label"])).items()):
+                right.plot([s for s, _ in points], [g for _, g in points], marker="o", color=colour[name], label=name)
+            right.axhline(0.0, color="grey", linestyle=":")
+            right.set_xlabel("samples seen")
+            right.set_ylabel("AUC difference to sync (curve batches)")
+            right.set_title(f"W={w}, tau (s) = {tau}, median over seeds", fontsize=8)
+            right.legend(fontsize=7, ncol=2)
+            right.grid(alpha=0.3)
+        figure.suptitle(f"bench staleness: {report['settings']['config']}, {report['settings']['samples']} samples, "
+                        f"visibility {report['settings']['visibility']}, rates {scale}", fontsize=9)
 
 
 def plot(report: dict, path: str) -> None:
+    """The claims' figure, or the sweep's (`plot_sweep`) when the runs hold more than the claims'
+    cell (another W, or disciplines besides sync, hybrid and async)."""
+    if any(r["workers"] != CLAIM_WORKERS or r["discipline"] not in CURVE_COLOURS for r in report["runs"]):
+        plot_sweep(report, path)
+    else:
+        plot_claims(report, path)
+
+
+def plot_claims(report: dict, path: str) -> None:
     """Left: the gap to sync against tau, per discipline and W (median over seeds, one scale);
     middle: AUC against samples seen at the claims' cell (colour: discipline, line: seed); right:
     there, the median AUC difference to sync against samples seen."""
@@ -403,13 +465,11 @@ def plot(report: dict, path: str) -> None:
         series: dict[tuple, list] = {}
         for c in rows:
             if scale is None or c["rates"] == scale:
-                name = c["label"].split(":")[0] + (f" G={c['label'].split('groups=')[1].split(',')[0]}"
-                                                   if c["discipline"] == "ht" else "")
-                series.setdefault((name, c["workers"]), []).append((c["tau"], c["gap_pct"]))
+                series.setdefault((series_name(c["label"]), c["workers"]), []).append((c["tau"], c["gap_pct"]))
         for (name, workers), points in sorted(series.items()):
             points.sort()
             axes[0].plot([max(t, 0.5) for t, _ in points], [g for _, g in points], marker="o",
-                         label=f"{name} W={workers}")
+                         color=CURVE_COLOURS.get(name), label=f"{name} W={workers}")
         axes[0].set_xscale("log", base=2)
         axes[0].axhline(-HYBRID_TARGET_PCT, color="grey", linestyle=":")
         axes[0].set_xlabel("tau (s for het, ssp)")

@@ -105,3 +105,28 @@ def test_an_oracle_discipline_outside_bench_hybrids_jobs_is_refused_naming_them(
     with pytest.raises(SystemExit):
         staleness.build_parser().parse_args([*TINY, "--oracle-disciplines", "sync,het"])
     assert "sync,hybrid,async" in capsys.readouterr().err
+
+
+def test_the_sweep_runs_ht_once_per_distinct_g_and_only_at_the_ht_taus():
+    args = staleness.build_parser().parse_args(["--taus", "1,4", "--disciplines", "hybrid,ht", "--groups", "1,4,W",
+                                                "--ht-taus", "4"])
+    assert staleness.specs(args, 4) == ["hybrid:tau=1", "hybrid:tau=4", "ht:groups=1,tau=4", "ht:groups=4,tau=4"]
+    assert staleness.specs(args, 16)[-1] == "ht:groups=16,tau=4"
+
+
+def test_a_sweep_over_several_w_is_drawn_one_row_per_w(tmp_path):
+    def run(label, workers, seed, auc):
+        name = label.split(":")[0]
+        return {"label": label, "discipline": name, "workers": workers, "seed": seed, "auc": auc, "logloss": 0.4,
+                "tau": 0 if name == "sync" else int(label.split("=")[-1]), "lr_scale": 1.0, "dense_lr_scale": 1.0,
+                "curve": [{"samples": s, "auc": auc - 0.1 + s / 1e5} for s in (1000, 2000)]}
+    runs = staleness.with_gaps([run(label, w, seed, 0.8 - 0.01 * n)
+                                for w in (4, 16) for seed in (0, 1)
+                                for n, label in enumerate(["sync", "hybrid:tau=1", "hybrid:tau=4", "ssp:s=4"])])
+    report = {"settings": {"config": "c", "samples": 2000, "visibility": 0.5}, "runs": runs,
+              "cells": staleness.cells(runs), "claims": staleness.claims(runs, 2000, {})}
+    staleness.plot(report, str(tmp_path / "sweep.png"))
+    from matplotlib.image import imread
+
+    height, width = imread(tmp_path / "sweep.png").shape[:2]
+    assert height > 0.55 * width  # two rows of panels (the claims' figure is one row, 16 x 4.5)
