@@ -443,7 +443,7 @@ def plot_sweep(report: dict, path: str) -> None:
             right.legend(fontsize=7, ncol=2)
             right.grid(alpha=0.3)
         figure.suptitle(f"bench staleness: {report['settings']['config']}, {report['settings']['samples']} samples, "
-                        f"visibility {report['settings']['visibility']}, rates {scale}", fontsize=9)
+                        f"visibility {report['settings']['visibility']}, rates {scale or 'as configured'}", fontsize=9)
 
 
 def plot(report: dict, path: str) -> None:
