@@ -130,3 +130,15 @@ def test_a_sweep_over_several_w_is_drawn_one_row_per_w(tmp_path):
 
     height, width = imread(tmp_path / "sweep.png").shape[:2]
     assert height > 0.55 * width  # two rows of panels (the claims' figure is one row, 16 x 4.5)
+
+
+def test_a_sweep_without_the_claims_cell_headlines_each_disciplines_gap_near_w16_tau4():
+    runs = staleness.with_gaps([{"label": label, "discipline": label.split(":")[0], "workers": 4, "seed": 0,
+                                 "tau": 0 if label == "sync" else int(label.split("=")[-1]), "auc": auc,
+                                 "logloss": 0.4, "lr_scale": 1.0, "dense_lr_scale": 1.0}
+                                for label, auc in (("sync", 0.80), ("hybrid:tau=1", 0.79), ("hybrid:tau=4", 0.78),
+                                                   ("ht:groups=2,tau=4", 0.81))])
+    report = {"runs": runs, "cells": staleness.cells(runs), "claims": staleness.claims(runs, 1000, {})}
+    assert staleness.headline(report) == {"samples": 1000,
+                                          "ht G=2 - sync AUC % (W=4, tau/s 4)": pytest.approx(1.25),
+                                          "hybrid - sync AUC % (W=4, tau/s 4)": pytest.approx(-2.5)}
