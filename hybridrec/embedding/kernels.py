@@ -41,6 +41,15 @@ from .cache_hints import (CACHE_LINE, LINE_FLOATS, prefetch_cell, prefetch_cell_
 from .optim import OPT_SGD, OPT_ADAGRAD, OPT_ADAM, P_LR, P_A, P_B, P_C
 from .tier_kernels import TP_HITS, TP_LOOKUPS, has_tier, maybe_on_disk, tier_find, tier_put, tier_take
 
+
+def _called_and_inlined(py_func):
+    """A helper of the per-key paths compiled twice from one body: as a function of its own that
+    counts no references (for callers that do count them: inlined there, numba would take an
+    atomic increment and decrement per array argument and call) and inlined (for `_evict_for`,
+    which counts none: no call passing every field of every array argument per eviction)."""
+    return njit(cache=True, nogil=True, _nrt=False)(py_func), njit(inline="always")(py_func)
+
+
 # metadata columns, relative to the meta offset (int32 view)
 M_LOG_AT, M_SPARE, M_COUNT, M_CLOCK, M_STAMP, M_SLOT = 2, 3, 4, 5, 6, 7  # M_LOG_AT: place in the LRU ring
 META_WIDTH = 8
@@ -75,6 +84,7 @@ PREFETCH_SLOT = 16  # keys ahead whose index slot is prefetched
 PREFETCH_ROW = 8  # keys ahead whose row (metadata and values) is prefetched
 FRONTIER_AHEAD = 4  # rows past the growth frontier whose lines an insert prefetches for writing
 EVICT_AHEAD = 8  # victims ahead whose row lines, metadata and index slot an eviction requests
+WALK_AHEAD = 32  # ring entries ahead whose row metadata the walk for victims requests
 DISP_BITS = 4  # bits of an index entry holding its distance from its home slot (see _entry)
 
 
@@ -132,7 +142,11 @@ def offsets_problem(offsets, n_values):
 # inlines by binding each array argument to a new variable, and the reference counts it takes for
 # them (atomic increments and decrements) survive its pruning once the body has control flow.
 # Inlined, each of the LRU relink, the admission roll and the row initialisation would take 2-4
-# atomic increments and as many decrements per key; a call costs less.
+# atomic increments and as many decrements per key; a call costs less. The helpers called per key
+# are compiled `_nrt=False` (they allocate nothing): compiled with reference counting, such a
+# function counts its own array arguments too (the row fill took 11 atomic increments and 11
+# decrements per call, each a full memory fence on x86). `_evict_for` counts none either, so it
+# inlines them (`_called_and_inlined`).
 
 @njit(cache=True)
 def ring_slots(rows):
@@ -298,8 +312,28 @@ def _probe(index, r64, kcol, key, s0, ns, h, row_bits):
             s = 0
 
 
-@njit(cache=True, nogil=True)
-def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
+@njit(inline="always")
+def _slot_of_row(index, r, s0, ns, h, row_bits):
+    """Slot of row r's index entry, r holding a key of hash h: its probe sequence matched by row
+    number, so no key is read (the entry must be there: no empty slot comes before it)."""
+    s = scale32(h, ns)
+    rows_part = _row_mask(row_bits)
+    while (np.int64(index[s0 + s]) & rows_part) != r:
+        s = s + 1 if s + 1 < ns else 0
+    return s0 + s
+
+
+@njit(inline="always")
+def _free_slot(index, s0, ns, h):
+    """The first empty slot of the probe sequence of a key of hash h known to be absent: where
+    it is inserted (no entry's tag or key needs comparing)."""
+    s = scale32(h, ns)
+    while index[s0 + s] >= 0:
+        s = s + 1 if s + 1 < ns else 0
+    return s0 + s
+
+
+def _index_delete_body(index, r64, kcol, slot, s0, ns, row_bits):
     """Remove the entry at `slot` by shifting later entries of the run back (no tombstones). An
     entry's home slot is its slot minus its displacement, so the shift reads no key, unless a
     displacement is capped (then the key is read and hashed); a moved entry's displacement
@@ -332,9 +366,12 @@ def _index_delete(index, r64, kcol, slot, s0, ns, row_bits):
     index[s0 + hole] = -1
 
 
+_index_delete, _index_delete_inlined = _called_and_inlined(_index_delete_body)
+
+
 # ---------------------------------------------------------------- row initialisation
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=False)
 def _init_row(rows, r, key, seed, icfg, fcfg):
     dim = icfg[IC_DIM]
     kind = icfg[IC_INIT_KIND]
@@ -410,7 +447,7 @@ def _lru_victims(lru_log, r32, r64, index, parts, p, meta, s0, ns, m, victims, v
     i = parts[p, PT_LOG_START]
     end = parts[p, PT_LOG_END]
     ahead = i
-    for _ in range(EVICT_AHEAD):
+    for _ in range(WALK_AHEAD):
         if ahead == end:
             break
         prefetch_row(r32, lru_log[base + ahead])
@@ -477,25 +514,37 @@ def _admit_any(key, seed, times, parts, p, icfg, fcfg, sketch):
     return False
 
 
-@njit(cache=True, nogil=True)
-def _fill_row(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, fcfg, seed, tier):
-    """Row r becomes `key`'s: its index entry at `slot` (where a probe for the key stopped), its
-    values, access count and clock from the disk tier (record `on_disk` >= 0) or new."""
+@njit(inline="always")
+def _own_row(p, r, key, h, slot, r64, index, parts, icfg):
+    """Row r holds `key` from now on: its index entry goes at `slot` (where a probe for the key
+    stopped) and its key into its metadata."""
+    index[slot] = _entry(r, h, icfg[IC_ROW_BITS], slot - parts[p, PT_SLOT_START], parts[p, PT_SLOT_COUNT])
+    r64[r, icfg[IC_META] // 2] = key
+
+
+def _new_row_body(p, r, key, h, slot, rows, r32, r64, index, parts, icfg, fcfg, seed):
+    """Row r becomes new `key`'s (`_own_row`): initial values, access count and clock 0. No
+    disk tier among its arguments: a call passes each array's fields, and a tier's are many."""
     meta = icfg[IC_META]
-    s0 = parts[p, PT_SLOT_START]
-    index[slot] = _entry(r, h, icfg[IC_ROW_BITS], slot - s0, parts[p, PT_SLOT_COUNT])
-    r64[r, meta // 2] = key
-    if on_disk >= 0:
-        tier_take(tier, p, on_disk, rows, r, r32, meta, M_COUNT, M_CLOCK)
-    else:
-        _init_row(rows, r, key, seed, icfg, fcfg)
-        r32[r, meta + M_COUNT] = 0
-        r32[r, meta + M_CLOCK] = 0
-        parts[p, PT_INSERTED] += 1
+    _own_row(p, r, key, h, slot, r64, index, parts, icfg)
+    _init_row(rows, r, key, seed, icfg, fcfg)
+    r32[r, meta + M_COUNT] = 0
+    r32[r, meta + M_CLOCK] = 0
+    parts[p, PT_INSERTED] += 1
 
 
-@njit(cache=True, nogil=True)
-def _mark_use(r32, meta, parts, p, r, mode, tiered, times, epoch, slot):
+_new_row, _new_row_inlined = _called_and_inlined(_new_row_body)
+
+
+@njit(cache=True, nogil=True, _nrt=False)
+def _row_from_disk(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, tier):
+    """Row r becomes `key`'s (`_own_row`), with its values, access count and clock from disk
+    tier record `on_disk`."""
+    _own_row(p, r, key, h, slot, r64, index, parts, icfg)
+    tier_take(tier, p, on_disk, rows, r, r32, icfg[IC_META], M_COUNT, M_CLOCK)
+
+
+def _mark_use_body(r32, meta, parts, p, r, mode, tiered, times, epoch, slot):
     """Row r is used by lookup call `epoch` as its unique row number `slot`: a training use counts
     `times` and stamps it (not evictable until the next call); a read-only lookup of a tiered
     store stamps it too (it may take rows from disk and evict: the rows it returns stay), but
@@ -510,15 +559,20 @@ def _mark_use(r32, meta, parts, p, r, mode, tiered, times, epoch, slot):
         r32[r, meta + M_SLOT] = slot
 
 
-@njit(cache=True, nogil=True)
+_mark_use, _mark_use_inlined = _called_and_inlined(_mark_use_body)
+
+
+@njit(cache=True, nogil=True, _nrt=False)
 def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg, fcfg,
-               seed, epoch, mode, uniq_rows, tier, lru_log):
+               seed, epoch, mode, uniq_rows, tier, lru_log, victims, vhash):
     """Give the distinct keys pend[:npend] of a full partition the rows of as many evicted ones,
     after every key of the call was probed (the rows the call uses carry its stamp by then, and
     are passed over); returns an error code. Under LRU the victims are taken off the ring's front
     at once (the walk requests their index slots), then evicted in order, each requesting what the eviction
     EVICT_AHEAD further touches: the victim's row lines (for writing), metadata and index slot,
-    and the index slot of the key taking its row."""
+    and the index slot of the key taking its row. `victims` and `vhash` hold npend entries (the
+    caller allocates them, and builds the ring first when the partition has none: this kernel
+    counts no references, so that the helpers it inlines take none per eviction)."""
     meta = icfg[IC_META]
     kcol = meta // 2
     row_bits = icfg[IC_ROW_BITS]
@@ -527,11 +581,7 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
     tiered = has_tier(tier)
     s0 = parts[p, PT_SLOT_START]
     ns = parts[p, PT_SLOT_COUNT]
-    victims = np.empty(0 if lfu else npend, np.int64)
-    vhash = np.empty(0 if lfu else npend, np.uint64)
     if not lfu:
-        if parts[p, PT_LRU_KEPT] == 0:  # the first eviction of this partition
-            link_lru_from_stamps(lru_log, r32, meta, parts, p, epoch)
         if not _lru_victims(lru_log, r32, r64, index, parts, p, meta, s0, ns, npend, victims, vhash, epoch):
             return ERR_FULL
     for i in range(npend):
@@ -554,16 +604,18 @@ def _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r
             hv = vhash[i]
         if tiered:
             tier_put(tier, p, r64[r, kcol], rows, r, r32, meta, M_COUNT, M_CLOCK)
-        _index_delete(index, r64, kcol, _probe(index, r64, kcol, r64[r, kcol], s0, ns, hv, row_bits), s0, ns,
-                      row_bits)
+        _index_delete_inlined(index, r64, kcol, _slot_of_row(index, r, s0, ns, hv, row_bits), s0, ns, row_bits)
         parts[p, PT_EVICTED] += 1
         u = pend[i]
         key = ukeys[u]
         h = uhash[u]
         on_disk = tier_find(tier, p, key, h) if tiered and maybe_on_disk(tier, p, key) else np.int64(-1)
-        _fill_row(p, r, key, h, _probe(index, r64, kcol, key, s0, ns, h, row_bits), on_disk, rows, r32, r64, index,
-                  parts, icfg, fcfg, seed, tier)
-        _mark_use(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, slot_of[u])
+        slot = _free_slot(index, s0, ns, h)
+        if on_disk >= 0:
+            _row_from_disk(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, tier)
+        else:
+            _new_row_inlined(p, r, key, h, slot, rows, r32, r64, index, parts, icfg, fcfg, seed)
+        _mark_use_inlined(r32, meta, parts, p, r, mode, tiered, mult[u], epoch, slot_of[u])
         uniq_rows[slot_of[u]] = r
         row_of[u] = r
     return 0
@@ -652,7 +704,10 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
                     if width > LINE_FLOATS:
                         prefetch_cell_for_write(rows, ahead, width - 1)
                     prefetch_cell_for_write(r32, ahead, 0)
-                _fill_row(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, fcfg, seed, tier)
+                if on_disk >= 0:
+                    _row_from_disk(p, r, key, h, slot, on_disk, rows, r32, r64, index, parts, icfg, tier)
+                else:
+                    _new_row(p, r, key, h, slot, rows, r32, r64, index, parts, icfg, fcfg, seed)
             else:  # full: the row comes from an eviction once every key is probed
                 pend[npend] = u
                 npend += 1
@@ -667,8 +722,12 @@ def _lookup_partition(p, keys, hashes, order, lo, hi, rows, r32, r64, index, par
         nuniq += 1
     err = 0
     if npend > 0:
+        if not lfu and parts[p, PT_LRU_KEPT] == 0:  # the first eviction of this partition
+            link_lru_from_stamps(lru_log, r32, meta, parts, p, epoch)
+        victims = np.empty(0 if lfu else npend, np.int64)
+        vhash = np.empty(0 if lfu else npend, np.uint64)
         err = _evict_for(p, pend, npend, ukeys, uhash, mult, slot_of, row_of, rows, r32, r64, index, parts, icfg,
-                         fcfg, seed, epoch, mode, uniq_rows, tier, lru_log)
+                         fcfg, seed, epoch, mode, uniq_rows, tier, lru_log, victims, vhash)
     if relinks and parts[p, PT_LRU_KEPT] == 1:  # the call's rows, most recent at the end of the ring
         base, ring = log_span(parts, p)
         _log_room(lru_log, base, ring, r32, meta, parts, p, nuniq, epoch)
