@@ -7,8 +7,12 @@ disk tier for the rest), `in_memory` (capacity above the distinct keys: it never
 `evicting` (capacity `--eviction-capacity`, no tier: evicted rows are dropped, the figure of
 issue 35's eviction target), and with `--read-ahead` `tiered_ahead`: the tiered store whose next
 batch's cold records are faulted in on a second thread (`EmbeddingStore.read_ahead`, what a
-trainer's data loader does when it has the next batch ready) once each batch's pull returns. The processes take turns, `--segment` batches each, so that the
-machine's load affects them alike; a ratio is the median over the segments of the time the
+trainer's data loader does when it has the next batch ready) once each batch's pull returns.
+With `--dense-ms MS` each batch also runs a dense step between its pull and its push, as a
+trainer does: forward and backward of an MLP (dim -> width -> width -> 1, BCE, SGD, one torch
+thread) over the pulled rows, its width set once (in the parent, for every system alike) so
+that a step takes about MS ms here; that step is the window a read-ahead has in training. The
+processes take turns, `--segment` batches each, so that the machine's load affects them alike; a ratio is the median over the segments of the time the
 in-memory store took for a segment over the time the other took for the same one. Once every
 segment is done, one process at a time (so that none overlaps a timed segment), the tiered store's every key is pulled once more (read-only) and
 its rows, optimizer state, counts and clocks are compared with the in-memory store's:
@@ -59,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batches each system runs in its turn; ratios are medians over the segments (default 50)")
     p.add_argument("--read-ahead", action="store_true",
                    help="also run the tiered store with the next batch's cold records read ahead on a second thread")
+    p.add_argument("--dense-ms", type=number_above(0.0), default=None,
+                   help="run a dense step (an MLP forward + backward on one thread) of about this many ms between "
+                        "each batch's pull and push, as a trainer does (default: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -75,6 +82,51 @@ def distinct_keys(args) -> int:
     seen = np.unique(np.concatenate([batch_keys(args.seed, i, args.batch_size, args.zipf)
                                      for i in range(args.batches)]))
     return int(seen.shape[0])
+
+
+class DenseStep:
+    """A trainer's dense step on one thread: an MLP dim -> width -> width -> 1 over a batch's
+    pulled rows, BCE against fixed labels, backward, SGD. Its result is not pushed: the stream's
+    fixed gradient is, so every system's rows stay comparable."""
+
+    def __init__(self, dim: int, width: int, batch_size: int):
+        import torch
+
+        torch.set_num_threads(1)
+        generator = torch.Generator().manual_seed(0)
+        self.torch = torch
+        self.model = torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                         torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.labels = (torch.rand(batch_size, 1, generator=generator) < 0.5).float()
+
+    def __call__(self, rows: np.ndarray) -> None:
+        torch = self.torch
+        inputs = torch.from_numpy(rows).requires_grad_(True)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(inputs), self.labels[:len(rows)])
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def seconds(self, rows: np.ndarray, steps: int = 7) -> float:
+        """Median seconds of a step here and now."""
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self(rows)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def dense_width(ms: float, dim: int, batch_size: int) -> tuple[int, float]:
+    """(the MLP width whose step takes about `ms` ms on this machine, that step's ms). The
+    middle layer dominates: a step's time grows about as the width squared."""
+    rows = np.random.default_rng(0).standard_normal((batch_size, dim)).astype(np.float32)
+    width = 128
+    for _ in range(3):
+        took = DenseStep(dim, width, batch_size).seconds(rows)
+        width = int(min(8192, max(8, round(width * (ms / 1e3 / took) ** 0.5))))
+    return width, 1e3 * DenseStep(dim, width, batch_size).seconds(rows)
 
 
 def _status(field: str) -> int:
@@ -104,6 +156,10 @@ def run_child(spec: dict, commands, replies) -> dict:
         warm.pull(keys[:256])
         warm.push(keys[:256], grads[:256])
     warm.close()
+    dense = None
+    if spec.get("dense_width"):  # built and run once before the clock and the RSS count start
+        dense = DenseStep(spec["dim"], spec["dense_width"], spec["batch_size"])
+        dense(np.zeros((spec["batch_size"], spec["dim"]), np.float32))
     Path("/proc/self/clear_refs").write_text("5")  # the peak RSS counts from here: the store's memory and more
     base = _status("VmRSS")
     store = EmbeddingStore(**fields)
@@ -114,9 +170,11 @@ def run_child(spec: dict, commands, replies) -> dict:
         commands.readline()
         start = time.perf_counter()
         for i in range(first, min(first + segment, len(batches))):
-            store.pull(batches[i])
+            rows = store.pull(batches[i])
             if ahead is not None and i + 1 < len(batches):  # the next batch is known: read its cold rows ahead
                 ahead.submit(store.read_ahead, batches[i + 1])
+            if dense is not None:
+                dense(rows)
             store.push(batches[i], grads)
         took = time.perf_counter() - start
         elapsed += took
@@ -192,6 +250,10 @@ def run(args) -> dict:
     base = {"dim": args.dim, "batch_size": args.batch_size, "zipf": args.zipf, "seed": args.seed,
             "batches": args.batches}
     base = {**base, "segment": args.segment}
+    dense = None
+    if args.dense_ms is not None:
+        dense = dict(zip(("width", "ms"), dense_width(args.dense_ms, args.dim, args.batch_size)))
+        base["dense_width"] = dense["width"]
     with tempfile.TemporaryDirectory(prefix="hybridrec-bench-tiers-") as tmp:
         specs = {
             "tiered": {**base, "capacity": memory_rows, "tier": {"path": f"{tmp}/tier", "capacity_rows": distinct},
@@ -229,6 +291,8 @@ def run(args) -> dict:
         "batch_size": args.batch_size, "segments": len(seconds["tiered"]),
         "segment_seconds": seconds,
     }
+    if dense is not None:
+        report["dense_step"] = dense
     if args.read_ahead:
         ahead = results["tiered_ahead"]
         report["tiered_ahead"] = {"samples_per_s": per_s("tiered_ahead"), "rss_bytes": ahead["rss_bytes"],
@@ -269,6 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  tiered, read ahead {a['samples_per_s']:12,.0f} samples/s  peak RSS {a['rss_bytes'] / 2**20:7.1f} MiB  "
                   f"lost rows {a['lost_rows']}; / in memory {report['tiered_ahead_over_in_memory']:.3f}, "
                   f"/ tiered {report['read_ahead_speedup']:.2f}")
+        if "dense_step" in report:
+            d = report["dense_step"]
+            print(f"  each batch with a dense step: MLP width {d['width']}, {d['ms']:.1f} ms per step")
         print(f"  tiered / in memory {report['tiered_over_in_memory']:.2f} (target >= 0.5); evicting / in memory "
               f"{report['eviction_ratio']:.2f} (target >= 0.9); tiered RSS / budget {report['rss_over_budget']:.2f} "
               f"(budget {report['budget_bytes'] / 2**20:.1f} MiB, target <= 1.1)")

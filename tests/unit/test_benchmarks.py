@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.benchmarks import e2e, embedding
+from hybridrec.benchmarks import e2e, embedding, tiers
 from hybridrec.benchmarks.peers import SYSTEM_NAMES, HybridrecSystem, TorchEmbeddingBagSystem, \
     TorchRecSystem, parse_system_names
 from hybridrec.benchmarks.timing import SystemResult, Throughput, summarize
@@ -226,6 +226,14 @@ def test_benchmark_prints_one_json_line_with_documented_keys(bench_module, unit,
         assert key in summary
     if summary[f"hybridrec_{unit}"] is not None:
         assert summary["bytes_per_row"] >= 4 * summary["settings"]["dim"]  # at least the weights
+
+
+def test_bench_tiers_with_a_dense_step_loses_no_row_and_reports_the_step(capsys):
+    report = tiers.main(["--batches", "4", "--segment", "2", "--batch-size", "128", "--memory-fraction", "0.5",
+                         "--eviction-capacity", "300", "--dense-ms", "1", "--json"])
+    assert report["lost_rows"] == 0 and report["tiered"]["rows_on_disk"] > 0
+    assert report["dense_step"]["width"] >= 8 and report["dense_step"]["ms"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dense_step"] == report["dense_step"]
 
 
 def test_e2e_reports_the_dlrm_top_mlp_input():
