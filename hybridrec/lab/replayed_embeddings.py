@@ -9,8 +9,8 @@ between stores: the trainers push one step's updates right after the same AllRed
 once. So an update here is split, once its gradient is known (`LookedAhead.unique_grads`), into
 its parts, one per (table, server): the distinct rows of the keys routed there with their summed
 gradients. A part lands (`EmbeddingStore.apply` of those rows) when its store's order reaches
-it, and a read first lands, store by store, exactly the updates the job's lookup read there (an
-update not computed yet is computed first: the emulator's `compute` hook). A store that has
+it, and a read first lands, store by store, exactly the updates the job's lookup read there (the
+emulator first computes the steps whose updates a read needs: `missing`). A store that has
 applied more than a read saw (the job's reads admit no order that never takes a count back:
 `EmbeddingPlan.inversions`) cannot un-apply: the read sees more, and `departures` counts the
 updates by which it differs. A read or update the job did not record lands every part computed
@@ -34,10 +34,12 @@ _NONE = np.empty(0, np.int32)
 
 
 class ReplayedEmbeddings(SharedEmbeddings):
+    """`SharedEmbeddings` whose updates land part by part in the job's PS stores' orders (`plan`:
+    hybridrec.lab.trace.EmbeddingPlan)."""
+
     def __init__(self, placement, workers: int, plan, observer: Callable | None = None):
         super().__init__(placement, workers, observer)
         self.plan = plan
-        self.compute: Callable[[int, int], None] = lambda worker, step: None  # the emulator computes (worker, step)
         self.landed = [0] * len(plan.columns)  # per store, the updates of its order applied
         self.column = {column: k for k, column in enumerate(plan.columns)}
         servers = 1 + max((shard for _, shard in plan.columns), default=0)
@@ -108,13 +110,12 @@ class ReplayedEmbeddings(SharedEmbeddings):
             self.unplanned.append((worker, step))
 
     def land(self, k: int, count: int) -> None:
-        """Store k applies the updates of its order until it holds `count` of them; one that
-        cannot be computed yet (the read would wait for itself) stops it, counted as departures."""
+        """Store k applies the updates of its order until it holds `count` of them; one not
+        computed yet (the emulator computes what a read needs first, unless the read would wait
+        for itself) stops it, counted as departures."""
         order = self.plan.order[k]
         while self.landed[k] < count:
             key = order[self.landed[k]]
-            if key not in self.known:
-                self.compute(*key)
             if key not in self.known:
                 self.departures += count - self.landed[k]
                 return
