@@ -12,14 +12,18 @@ gradients. A part lands (`EmbeddingStore.apply` of those rows) when its store's 
 it, and a read first lands, store by store, exactly the updates the job's lookup read there (the
 emulator first computes the steps whose updates a read needs: `missing`). A store that has
 applied more than a read saw (the job's reads admit no order that never takes a count back:
-`EmbeddingPlan.inversions`) cannot un-apply: the read sees more, and `departures` counts the
-updates by which it differs. A read or update the job did not record lands every part computed
+`EmbeddingPlan.inversions`: two servers answered two lookups in opposite orders) is read as it
+was: each store keeps the weights its last `UNDO` parts overwrote, puts them back for the
+read's pooling, newest first, and the weights of now after it. Past that (and where an update
+the read needs cannot be computed yet) the read differs, and `departures` counts the updates by
+which it does. A read or update the job did not record lands every part computed
 so far / at the end. Rows are independent under every optimizer of the stores (their step count,
 used by Adam's bias correction and Adagrad's lr_decay, counts parts here, updates per store in
 the job).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -31,6 +35,7 @@ from hybridrec.lab.embeddings import SharedEmbeddings
 from hybridrec.ps.routing import static_owners
 
 _NONE = np.empty(0, np.int32)
+UNDO = 64  # parts per store whose overwritten weights are kept, to read a store as it was
 
 
 class ReplayedEmbeddings(SharedEmbeddings):
@@ -56,6 +61,7 @@ class ReplayedEmbeddings(SharedEmbeddings):
         self.position = {key: n for n, key in enumerate(plan.read_order)}
         self.made: set = set()  # recorded reads made
         self.read_counts: dict = {}  # (worker, step) -> {store: updates it held when the read was made}
+        self.undo = [deque(maxlen=UNDO) for _ in plan.columns]  # per store: (count before, store, rows, weights)
         self.next_read = 0  # the first of the plan's read order not made
 
     def missing(self, worker: int, step: int) -> list[tuple[int, int]]:
@@ -78,15 +84,26 @@ class ReplayedEmbeddings(SharedEmbeddings):
         wanted = self.plan.reads.get((worker, step))
         if wanted is None:  # a lookup the job did not record: every update computed so far
             self.land_all()
-        else:
-            for k, count in wanted.items():
-                self.departures += max(self.landed[k] - count, 0)
-                self.land(k, count)
-        self.read_counts[worker, step] = {k: self.landed[k] for k in (wanted or {})}
+        restore: list = []  # (store, rows, weights of now), put back after the read, last first
+        held = {}
+        for k, count in (wanted or {}).items():
+            self.land(k, count)
+            held[k] = self.landed[k]
+            if self.landed[k] > count:
+                if self._as_it_was(k, count, restore):
+                    held[k] = count
+                else:
+                    self.departures += self.landed[k] - count
+        self.read_counts[worker, step] = held
         self.made.add((worker, step))
         while self.next_read < len(self.plan.read_order) and self.plan.read_order[self.next_read] in self.made:
             self.next_read += 1
-        return super().read(worker, step, batch, expected)
+        try:
+            return super().read(worker, step, batch, expected)
+        finally:
+            for store, rows, weights in reversed(restore):
+                with store.lock:
+                    store.rows[rows, :weights.shape[1]] = weights
 
     def enqueue(self, worker: int, step: int, looked: dict) -> None:
         """Splits the update into its stores' parts (applied by `land`)."""
@@ -108,6 +125,19 @@ class ReplayedEmbeddings(SharedEmbeddings):
             self._completed((worker, step))
         elif (worker, step) not in self.planned:
             self.unplanned.append((worker, step))
+
+    def _as_it_was(self, k: int, count: int, restore: list) -> bool:
+        """Put back in store k the weights of the rows its parts landed since it held `count`
+        updates (newest first), noting in `restore` the weights of now; False (nothing changed)
+        when it kept too few parts' weights."""
+        kept = [entry for entry in self.undo[k] if entry[0] >= count]
+        if len(kept) != self.landed[k] - count:
+            return False
+        for _, store, rows, weights in reversed(kept):
+            with store.lock:
+                restore.append((store, rows, store.rows[rows, :weights.shape[1]].copy()))
+                store.rows[rows, :weights.shape[1]] = weights
+        return True
 
     def land(self, k: int, count: int) -> None:
         """Store k applies the updates of its order until it holds `count` of them; one not
@@ -144,6 +174,10 @@ class ReplayedEmbeddings(SharedEmbeddings):
         found = parts.pop(part, None)
         if found is not None:
             store, rows, keys, grads = found
+            if isinstance(part, int):  # the weights it overwrites, to read the store as it was
+                live = rows[rows >= 0]
+                with store.lock:
+                    self.undo[part].append((self.landed[part], store, live, store.rows[live, :store.dim].copy()))
             store.apply(Lookup(_NONE, _NONE, rows, keys), grads)
             self._pending[rows.astype(np.int64) + self._offsets[id(store)]] -= 1
         if not parts:
