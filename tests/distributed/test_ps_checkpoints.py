@@ -2,6 +2,7 @@
 swapped in mid-way cannot redirect, idempotent under retries, in the background, and resumed by
 a server restarted in the middle of one."""
 
+import ctypes
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from hybridrec.ps.server import launch
 TABLES = {"user": {"dim": 16, "capacity": 30_000, "optimizer": {"name": "sgd", "lr": 0.5}, "seed": 3}}
 KEYS = np.arange(1, 20_001, dtype=np.uint64)
 RACES = 25
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 
 
 @pytest.fixture
@@ -35,12 +37,21 @@ def server_in(tmp_path):
         assert server.stop(timeout=10)
 
 
+def _exchange(a, b):
+    """Swaps the names `a` and `b` in one atomic step (renameat2 RENAME_EXCHANGE), so that neither
+    path is ever missing: a server that makes a missing directory again cannot end the swapping."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno), f"{a} <-> {b}")
+
+
 class Swapper:
-    """Swaps `path` between a real directory and a symlink to `outside`, over and over, by
-    atomic renames, until stopped (at most `seconds`)."""
+    """Swaps `path` between a real directory and a symlink to `outside`, over and over, by atomic
+    exchanges, until stopped (at most `seconds`)."""
 
     def __init__(self, path, outside, seconds=60.0):
-        self.path, self.real, self.link = path, path.with_name(path.name + ".real"), path.with_name(path.name + ".link")
+        self.path, self.link = path, path.with_name(path.name + ".link")
         self.link.symlink_to(outside, target_is_directory=True)
         self.stop, self.swaps, self.seconds = threading.Event(), 0, seconds
         self.thread = threading.Thread(target=self._run, daemon=True)
