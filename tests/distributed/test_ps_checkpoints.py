@@ -22,6 +22,7 @@ TABLES = {"user": {"dim": 16, "capacity": 30_000, "optimizer": {"name": "sgd", "
 KEYS = np.arange(1, 20_001, dtype=np.uint64)
 RACES = 25
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+LIBC = ctypes.CDLL(None, use_errno=True)  # the C library already loaded: renameat2
 
 
 @pytest.fixture
@@ -40,8 +41,7 @@ def server_in(tmp_path):
 def _exchange(a, b):
     """Swaps the names `a` and `b` in one atomic step (renameat2 RENAME_EXCHANGE), so that neither
     path is ever missing: a server that makes a missing directory again cannot end the swapping."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+    if LIBC.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno), f"{a} <-> {b}")
 
